@@ -1,0 +1,33 @@
+"""Exception types. Names follow Horovod so that existing ``except`` clauses keep working."""
+
+
+class NotInitializedError(ValueError):
+    """A query was called before ``init()`` (Horovod raises ValueError here)."""
+
+    def __init__(self, what="this operation"):
+        super().__init__("stella_mpi has not been initialized; use hvd.init() before %s." % what)
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name, kept so that ``except`` clauses work)."""
+
+
+class CollectiveNotInitializedError(HorovodInternalError, NotInitializedError):
+    """A collective was called before ``init()`` (Horovod raises HorovodInternalError here)."""
+
+
+class CollectiveRefused(HorovodInternalError):
+    """Every rank of the collective refused it alike before any data moved; the ranks are
+    still in step and the job can go on."""
+
+
+class TensorMismatchError(CollectiveRefused, ValueError):
+    """Ranks submitted different collectives (name, shape, dtype or op) at the same point."""
+
+
+class StellaTimeoutError(HorovodInternalError, TimeoutError):
+    """A wait passed its deadline (``STELLA_TIMEOUT``)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Kept for scripts written for Horovod's elastic mode; never raised here."""

@@ -1,0 +1,196 @@
+"""Collectives inside one cluster, where the network is fast.
+
+Two interchangeable backends over the same cluster membership:
+
+* ``MpiIntra``: MPI non-blocking collectives on the cluster communicator;
+* ``TorchIntra``: a torch.distributed process group (gloo for CPU tensors,
+  NCCL for CUDA tensors) created without any address or port from the user:
+  the cluster leader opens a TCPStore on a free port and the address travels
+  to the other members over MPI.
+
+All methods take flat, contiguous tensors in the reduction dtype (see
+``collectives.compute_dtype``) and return only when the data is in place.
+"""
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .transport import allreduce_max, bcast_json, mpi_view
+
+MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+             "product": dist.ReduceOp.PRODUCT}
+
+
+def displacements(counts):
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+class MpiIntra:
+    name = "mpi"
+
+    def __init__(self, comm, deadline):
+        self.comm = comm
+        self.deadline = deadline
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+
+    def allreduce(self, buf, op):
+        self.deadline.wait(self.comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI_OPS[op]),
+                           "intra-cluster allreduce")
+
+    def reduce_scatter(self, buf, counts, op):
+        shard = torch.empty(counts[self.rank], dtype=buf.dtype)
+        self.deadline.wait(self.comm.Ireduce_scatter(mpi_view(buf), mpi_view(shard), counts, op=MPI_OPS[op]),
+                           "intra-cluster reduce-scatter")
+        return shard
+
+    def allgather_into(self, shard, counts, out):
+        self.deadline.wait(self.comm.Iallgatherv(mpi_view(shard), [mpi_view(out), (counts, displacements(counts))]),
+                           "intra-cluster allgather")
+
+    def reduce(self, buf, op, root):
+        view = mpi_view(buf)
+        send = MPI.IN_PLACE if self.rank == root else view
+        self.deadline.wait(self.comm.Ireduce(send, view if self.rank == root else None, op=MPI_OPS[op], root=root),
+                           "intra-cluster reduce")
+
+    def bcast(self, buf, root):
+        self.deadline.wait(self.comm.Ibcast(mpi_view(buf), root=root), "intra-cluster broadcast")
+
+    def free(self):
+        pass
+
+
+def _store_host(members_on_one_node, ifname):
+    if members_on_one_node:
+        return "127.0.0.1"
+    if ifname:
+        import fcntl
+        import struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+        finally:
+            s.close()
+    return socket.gethostbyname(socket.gethostname())
+
+
+class TorchIntra:
+    """A gloo (or NCCL) process group of one cluster, built over an MPI rendezvous."""
+
+    def __init__(self, comm, deadline, one_node, ifname="", backend="gloo", device=None):
+        self.comm = comm
+        self.deadline = deadline
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.name = backend
+        timeout = timedelta(seconds=deadline.timeout_s)
+        host = _store_host(one_node, ifname) if self.rank == 0 else None
+        store = None
+        if self.rank == 0:
+            store = dist.TCPStore(host, 0, self.size, True, timeout=timeout, wait_for_workers=False)
+            addr = (host, store.port)
+        else:
+            addr = None
+        host, port = bcast_json(comm, addr, 0, deadline, "gloo rendezvous")
+        if store is None:
+            store = dist.TCPStore(host, port, self.size, False, timeout=timeout)
+        self.store = store
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            if ifname:
+                opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+            elif one_node:
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            else:
+                opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
+        elif backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, dist.ProcessGroupNCCL.Options())
+        else:
+            raise ValueError("unknown torch.distributed backend %r" % backend)
+
+    def _wait(self, work, what):
+        self.deadline.wait_work(work, what)
+
+    def allreduce(self, buf, op):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = TORCH_OPS[op]
+        self._wait(self.pg.allreduce([buf], opts), "intra-cluster allreduce (%s)" % self.name)
+
+    def reduce_scatter(self, buf, counts, op):
+        # gloo's reduce-scatter wants equal chunks: reduce the whole buffer, keep our shard
+        self.allreduce(buf, op)
+        start = sum(counts[:self.rank])
+        return buf[start:start + counts[self.rank]].clone()
+
+    def allgather_into(self, shard, counts, out):
+        width = max(counts) if counts else 0
+        padded = torch.zeros(width, dtype=shard.dtype, device=shard.device)
+        padded[:shard.numel()] = shard
+        outs = [torch.empty(width, dtype=shard.dtype, device=shard.device) for _ in counts]
+        self._wait(self.pg.allgather([outs], [padded]), "intra-cluster allgather (%s)" % self.name)
+        start = 0
+        for c, piece in zip(counts, outs):
+            out[start:start + c] = piece[:c]
+            start += c
+
+    def reduce(self, buf, op, root):
+        opts = dist.ReduceOptions()
+        opts.reduceOp = TORCH_OPS[op]
+        opts.rootRank = root
+        self._wait(self.pg.reduce([buf], opts), "intra-cluster reduce (%s)" % self.name)
+
+    def bcast(self, buf, root):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._wait(self.pg.broadcast([buf], opts), "intra-cluster broadcast (%s)" % self.name)
+
+    def free(self):
+        try:
+            self.pg.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        self.pg = None
+        self.store = None
+
+
+def gloo_usable():
+    return dist.is_available() and hasattr(dist, "ProcessGroupGloo")
+
+
+def nccl_usable():
+    return dist.is_available() and torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL") \
+        and dist.is_nccl_available()
+
+
+def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps=3):
+    """Time one allreduce of ``nbytes`` on both backends; every rank of the cluster takes the
+    same choice (the slowest rank's timings decide). Clusters may choose differently."""
+    import time
+    n = nbytes // 4
+    times = []
+    for backend in (mpi_intra, gloo_intra):
+        buf = torch.ones(n, dtype=torch.float32)
+        backend.allreduce(buf, "sum")  # warm up connections
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            backend.allreduce(buf, "sum")
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    agreed = allreduce_max(comm, times, deadline, "intra backend timing")
+    return (mpi_intra if agreed[0] <= agreed[1] else gloo_intra), agreed
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

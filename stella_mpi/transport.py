@@ -1,0 +1,123 @@
+"""Waiting on MPI and gloo with a deadline, and torch <-> MPI buffer views.
+
+MPI has no timeouts, so every wait here polls a non-blocking request, first
+spinning briefly (small messages finish in microseconds), then sleeping with
+a growing interval: the training thread keeps the CPU and the GIL while the
+background engine waits, which matters when ranks outnumber cores.
+"""
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .errors import StellaTimeoutError
+
+_SPINS = 64
+_MAX_SLEEP = 1e-3
+
+
+class Deadline:
+    """Waits on requests; raises StellaTimeoutError past ``timeout_s``."""
+
+    def __init__(self, timeout_s, rank):
+        self.timeout_s = timeout_s
+        self.rank = rank
+
+    def _expired(self, what):
+        return StellaTimeoutError(
+            "rank %d: %s did not complete within %.0f s (STELLA_TIMEOUT); a peer has stalled, "
+            "died or is running a different collective" % (self.rank, what, self.timeout_s))
+
+    def wait(self, req, what):
+        self.wait_all([req], what)
+
+    def wait_all(self, reqs, what):
+        reqs = [r for r in reqs if r is not None]
+        if not reqs:
+            return
+        if MPI.Request.Testall(reqs):
+            return
+        start = time.monotonic()
+        spins, nap = 0, 2e-5
+        while not MPI.Request.Testall(reqs):
+            if spins < _SPINS:
+                spins += 1
+                continue
+            if time.monotonic() - start > self.timeout_s:
+                raise self._expired(what)
+            time.sleep(nap)
+            nap = min(nap * 2, _MAX_SLEEP)
+
+    def wait_work(self, work, what):
+        """Wait on a torch.distributed Work object (gloo/NCCL)."""
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise self._expired(what) from e
+            raise
+
+
+def mpi_view(t):
+    """A numpy view of a contiguous CPU tensor that MPI can send or reduce.
+
+    16-bit floats (no MPI type) are viewed as int16: such views may be moved,
+    never reduced by MPI (reductions run in float32, see collectives)."""
+    if not t.is_contiguous():
+        raise ValueError("internal: MPI buffers must be contiguous")
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def byte_view(t):
+    """The bytes of a contiguous CPU tensor as a uint8 numpy array (for pure data movement)."""
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def allgather_json(comm, obj, deadline, what):
+    """Allgather a JSON-able value from every rank (never pickle: peer data is untrusted)."""
+    import json
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    lengths = np.zeros(comm.Get_size(), dtype=np.int64)
+    deadline.wait(comm.Iallgather(np.array([data.size], dtype=np.int64), lengths), what)
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    displs = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    deadline.wait(comm.Iallgatherv(data, [out, lengths.tolist(), displs.tolist(), MPI.BYTE]), what)
+    result = []
+    for off, n in zip(displs, lengths):
+        try:
+            result.append(json.loads(out[off:off + n].tobytes().decode()))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError("%s: malformed message from a peer: %s" % (what, e)) from None
+    return result
+
+
+def bcast_json(comm, obj, root, deadline, what):
+    """Broadcast a JSON-able value from ``root``."""
+    import json
+    n = np.zeros(1, dtype=np.int64)
+    data = None
+    if comm.Get_rank() == root:
+        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+        n[0] = data.size
+    deadline.wait(comm.Ibcast(n, root=root), what)
+    if data is None:
+        data = np.empty(int(n[0]), dtype=np.uint8)
+    deadline.wait(comm.Ibcast(data, root=root), what)
+    try:
+        return json.loads(data.tobytes().decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError("%s: malformed message from rank %d: %s" % (what, root, e)) from None
+
+
+def allreduce_max(comm, values, deadline, what):
+    """Element-wise maximum of a list of floats over ``comm``."""
+    arr = np.asarray(values, dtype=np.float64)
+    out = np.empty_like(arr)
+    deadline.wait(comm.Iallreduce(arr, out, op=MPI.MAX), what)
+    return out.tolist()
