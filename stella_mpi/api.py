@@ -207,6 +207,7 @@ def _dense_compression(compression, what):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` over all ranks of ``process_set`` and return the result (a new tensor)."""
+    _check_tensor(tensor, "hvd.allreduce")
     op = handle_average_backwards_compatibility(op, average)
     compression = _dense_compression(compression, "hvd.allreduce")
     compressed, ctx = compression.compress(tensor)
@@ -257,6 +258,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """Reduce a list of tensors in one fused collective; returns a list."""
     op = handle_average_backwards_compatibility(op, average)
     compression = _dense_compression(compression, "hvd.grouped_allreduce")
+    for t in tensors:
+        _check_tensor(t, "hvd.grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     compressed = [p[0] for p in pairs]
     if torch.is_grad_enabled() and any(t.requires_grad for t in compressed):
@@ -311,6 +314,7 @@ class _AllgatherFn(torch.autograd.Function):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (dim 0 may differ across ranks)."""
+    _check_tensor(tensor, "hvd.allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _AllgatherFn.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set))
@@ -371,6 +375,7 @@ class _BroadcastFn(torch.autograd.Function):
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank (a new tensor)."""
+    _check_tensor(tensor, "hvd.broadcast")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _BroadcastFn.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
@@ -447,6 +452,7 @@ class _AlltoallFn(torch.autograd.Function):
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send ``splits[r]`` rows of ``tensor`` to rank r; returns the received rows, and the
     received splits when ``splits`` was given (Horovod's convention)."""
+    _check_tensor(tensor, "hvd.alltoall")
     if tensor.requires_grad and torch.is_grad_enabled():
         out, recv = _AlltoallFn.apply(tensor, splits, name, process_set)
     else:
@@ -492,6 +498,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
     ``rows % size`` ranks get one extra row)."""
+    _check_tensor(tensor, "hvd.reducescatter")
     compression = _dense_compression(compression, "hvd.reducescatter")
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():

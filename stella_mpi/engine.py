@@ -21,8 +21,8 @@ a message naming the rank and the cause.
 import hashlib
 import itertools
 import json
+import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -163,11 +163,12 @@ class Engine:
                 op.handle.done.set()
 
     def _fatal(self, op, exc):
-        sys.stderr.write("stella_mpi: rank %d: %s failed: %s: %s\n%s"
-                         "stella_mpi: rank %d: ending the job on every rank\n"
-                         % (self.rank, describe(op.desc), type(exc).__name__, exc,
-                            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), self.rank))
-        sys.stderr.flush()
+        msg = ("stella_mpi: rank %d: %s failed: %s: %s\n%s"
+               "stella_mpi: rank %d: ending the job on every rank\n"
+               % (self.rank, describe(op.desc), type(exc).__name__, exc,
+                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), self.rank))
+        os.write(2, msg.encode(errors="replace"))  # fd 2 itself: sys.stderr may be captured
+        time.sleep(0.5)  # let the launcher forward the message before the job is torn down
         MPI.COMM_WORLD.Abort(1)
 
     def _hash(self, desc):

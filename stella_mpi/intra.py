@@ -85,10 +85,27 @@ def _store_host(members_on_one_node, ifname):
     return socket.gethostbyname(socket.gethostname())
 
 
+# dtypes gloo cannot reduce; they go through MPI on the same cluster communicator
+_GLOO_UNSUPPORTED = (torch.int16,)
+
+
+def _with_fallback(method):
+    name = method.__name__
+
+    def wrapper(self, buf, *args):
+        if buf.dtype in _GLOO_UNSUPPORTED and self.name == "gloo":
+            return getattr(self.fallback, name)(buf, *args)
+        return method(self, buf, *args)
+    wrapper.__name__ = name
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
 class TorchIntra:
     """A gloo (or NCCL) process group of one cluster, built over an MPI rendezvous."""
 
     def __init__(self, comm, deadline, one_node, ifname="", backend="gloo", device=None):
+        self.fallback = MpiIntra(comm, deadline)
         self.comm = comm
         self.deadline = deadline
         self.size = comm.Get_size()
@@ -124,17 +141,20 @@ class TorchIntra:
     def _wait(self, work, what):
         self.deadline.wait_work(work, what)
 
+    @_with_fallback
     def allreduce(self, buf, op):
         opts = dist.AllreduceOptions()
         opts.reduceOp = TORCH_OPS[op]
         self._wait(self.pg.allreduce([buf], opts), "intra-cluster allreduce (%s)" % self.name)
 
+    @_with_fallback
     def reduce_scatter(self, buf, counts, op):
         # gloo's reduce-scatter wants equal chunks: reduce the whole buffer, keep our shard
         self.allreduce(buf, op)
         start = sum(counts[:self.rank])
         return buf[start:start + counts[self.rank]].clone()
 
+    @_with_fallback
     def allgather_into(self, shard, counts, out):
         width = max(counts) if counts else 0
         padded = torch.zeros(width, dtype=shard.dtype, device=shard.device)
@@ -146,12 +166,14 @@ class TorchIntra:
             out[start:start + c] = piece[:c]
             start += c
 
+    @_with_fallback
     def reduce(self, buf, op, root):
         opts = dist.ReduceOptions()
         opts.reduceOp = TORCH_OPS[op]
         opts.rootRank = root
         self._wait(self.pg.reduce([buf], opts), "intra-cluster reduce (%s)" % self.name)
 
+    @_with_fallback
     def bcast(self, buf, root):
         opts = dist.BroadcastOptions()
         opts.rootRank = root

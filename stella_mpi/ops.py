@@ -39,6 +39,15 @@ def _identity(op, dtype):
 
 # ---------------- allreduce (one or a group of tensors) ----------------
 
+def _scale(buf, factor):
+    """Multiply in place; integer tensors are scaled in float64 and truncated toward zero,
+    as Horovod does."""
+    if buf.dtype.is_floating_point:
+        buf.mul_(factor)
+    else:
+        buf.copy_((buf.to(torch.float64) * factor).trunc().to(buf.dtype))
+
+
 def execute_allreduce(pset, desc, inputs, joined):
     """inputs: (tensors, outputs). Tensors of one dtype are fused into one buffer."""
     tensors, outputs = inputs
@@ -53,7 +62,7 @@ def execute_allreduce(pset, desc, inputs, joined):
         buf[pos:pos + n].copy_(t.reshape(-1))
         pos += n
     if desc["prescale"] != 1.0:
-        buf.mul_(desc["prescale"])
+        _scale(buf, desc["prescale"])
     wire = DTYPES[desc["wire"]] if desc.get("wire") else None
     if wire is None and dtype in (torch.float16, torch.bfloat16):
         wire = dtype
@@ -62,11 +71,7 @@ def execute_allreduce(pset, desc, inputs, joined):
     if op == "average":
         scale = scale / pset.nranks
     if scale != 1.0:
-        if cdt.is_floating_point:
-            buf.mul_(scale)
-        else:
-            # Horovod scales integer tensors in double and truncates toward zero
-            buf.copy_((buf.to(torch.float64) * scale).trunc().to(cdt))
+        _scale(buf, scale)
     pos = 0
     for out, n in zip(outputs, sizes):
         out.reshape(-1).copy_(buf[pos:pos + n])
