@@ -15,6 +15,9 @@ class HorovodInternalError(RuntimeError):
 class CollectiveNotInitializedError(HorovodInternalError, NotInitializedError):
     """A collective was called before ``init()`` (Horovod raises HorovodInternalError here)."""
 
+    def __init__(self, what="this operation"):
+        NotInitializedError.__init__(self, what)
+
 
 class CollectiveRefused(HorovodInternalError):
     """Every rank of the collective refused it alike before any data moved; the ranks are

@@ -235,6 +235,8 @@ def _abort_on_uncaught(exc_type, exc, tb):
         sys.stderr.flush()
     finally:
         if MPI.COMM_WORLD.Get_size() > 1 and not issubclass(exc_type, (SystemExit,)):
+            import time
+            time.sleep(0.5)  # let the launcher forward the traceback before the job is torn down
             MPI.COMM_WORLD.Abort(1)
 
 

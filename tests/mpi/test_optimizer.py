@@ -1,0 +1,157 @@
+"""DistributedOptimizer and the parameter/state helpers, against single-process references."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import stella_mpi as hvd
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _reference_train(steps, n, lr, momentum, passes=1):
+    """Plain torch on one process: the gradient is the mean of every rank's gradient."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for step in range(steps):
+        opt.zero_grad()
+        for r in range(n):
+            for k in range(passes):
+                x, y = _batch(r, step * passes + k)
+                (torch.nn.functional.cross_entropy(model(x), y) / n).backward()
+        opt.step()
+    return model
+
+
+def _train(steps, lr, momentum, passes=1, **kwargs):
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+                                   **kwargs)
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = _batch(hvd.rank(), step * passes + k)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _assert_same_everywhere(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0))
+    for r in range(hvd.size()):
+        assert torch.equal(everyone[r], flat), "parameters differ between rank %d and rank %d" % (hvd.rank(), r)
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["buckets", "groups2"])
+def test_matches_single_process_sgd(groups):
+    model, _ = _train(5, 0.1, 0.9, groups=groups)
+    ref = _reference_train(5, hvd.size(), 0.1, 0.9)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+
+
+def test_backward_passes_per_step_accumulates():
+    model, _ = _train(3, 0.05, 0.0, passes=2)
+    ref = _reference_train(3, hvd.size(), 0.05, 0.0, passes=2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_compression_trains_close_to_fp32():
+    model, _ = _train(3, 0.1, 0.0, compression=hvd.Compression.fp16)
+    ref = _reference_train(3, hvd.size(), 0.1, 0.0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=5e-3, atol=5e-3)
+    _assert_same_everywhere(model)
+
+
+def test_small_fusion_buckets_and_sum_op(monkeypatch):
+    monkeypatch.setenv("STELLA_FUSION_THRESHOLD", "64")  # one bucket per parameter, read at wrap time
+    from stella_mpi import runtime
+    old = runtime._runtime.config
+    runtime._runtime.config = type(old).from_env()
+    try:
+        model, opt = _train(2, 0.1, 0.0)
+        assert len(opt._buckets) == 4
+    finally:
+        runtime._runtime.config = old
+    ref = _reference_train(2, hvd.size(), 0.1, 0.0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_reduced_during_backward():
+    """Buckets go out from the hooks, before backward returns (not all at step time)."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=4)
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    launched = [b.handle is not None for b in opt._buckets]
+    assert all(launched), launched
+    opt.step()
+
+
+def test_synchronize_and_skip_synchronize():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with opt.skip_synchronize():
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    _assert_same_everywhere(model)
+
+
+def test_named_parameters_errors():
+    model = _model()
+    params = list(model.named_parameters())
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("same", p) for _, p in params])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=params[:1])
+    with pytest.raises(ValueError, match="tuples"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[p for _, p in params])
+
+
+def test_broadcast_parameters_and_optimizer_state():
+    torch.manual_seed(100 + hvd.rank())  # every rank starts different
+    model = torch.nn.Linear(5, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2 * (hvd.rank() + 1))
+    if hvd.rank() == 0:
+        model(torch.randn(3, 5)).sum().backward()
+        opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    _assert_same_everywhere(model)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
+    state = opt.state_dict()["state"]
+    steps = hvd.allgather(torch.tensor([float(state[0]["step"])]))
+    assert steps.eq(steps[0]).all()
+    avg = hvd.allgather(state[0]["exp_avg"].reshape(1, -1))
+    assert (avg == avg[0]).all()
+    named = copy.deepcopy(list(model.named_parameters()))
+    hvd.broadcast_parameters(named, root_rank=hvd.size() - 1)

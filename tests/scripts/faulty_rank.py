@@ -1,0 +1,22 @@
+"""A job in which one rank fails in the way named by argv[1]; the others keep reducing."""
+import os
+import sys
+import time
+
+import torch
+
+import stella_mpi as hvd
+
+hvd.init()
+mode = sys.argv[1]
+hvd.allreduce(torch.ones(4), name="warmup")
+if hvd.rank() == 1:
+    if mode == "raise":
+        raise RuntimeError("boom on purpose")
+    if mode == "exit":
+        os._exit(3)
+    if mode == "stall":
+        time.sleep(120)
+for step in range(1000):
+    hvd.allreduce(torch.ones(1000), name="step.%d" % step)
+print("rank %d finished without noticing the failure" % hvd.rank())

@@ -1,0 +1,51 @@
+"""A rank that raises, exits or stalls ends the whole job within seconds, with a message
+naming it: never a hang."""
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpirun_path
+
+pytestmark = pytest.mark.mpi
+
+
+def _launch(mode, timeout_env="60", as_module=False):
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2")
+    launcher = mpirun_path()
+    if launcher is None:
+        pytest.skip("no mpirun")
+    cmd = [launcher, "-np", "4", sys.executable] + (["-m", "mpi4py"] if as_module else []) + \
+        ["tests/scripts/faulty_rank.py", mode]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["python-script", "python-m-mpi4py"])
+def test_uncaught_exception_ends_job(as_module):
+    proc, elapsed = _launch("raise", as_module=as_module)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "boom on purpose" in out
+    if not as_module:
+        assert "rank 1 raised an uncaught RuntimeError" in out
+    assert "finished without noticing" not in out
+
+
+def test_dead_rank_ends_job():
+    proc, elapsed = _launch("exit")
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+
+
+def test_stalled_rank_hits_the_deadline():
+    proc, elapsed = _launch("stall", timeout_env="3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 40, elapsed
+    assert "did not complete within 3 s" in out, out[-3000:]
+    assert "ending the job on every rank" in out

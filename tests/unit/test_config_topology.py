@@ -1,0 +1,55 @@
+"""Settings from the environment and the cluster layout rules (no MPI launch needed)."""
+import pytest
+
+from stella_mpi.config import Config
+from stella_mpi.topology import cluster_label, split_counts
+
+
+def test_split_counts():
+    assert split_counts(10, 3) == [4, 3, 3]
+    assert split_counts(2, 4) == [1, 1, 0, 0]
+    assert split_counts(0, 2) == [0, 0]
+    assert sum(split_counts(2 ** 31 + 5, 7)) == 2 ** 31 + 5
+
+
+def test_config_defaults_and_horovod_names(monkeypatch):
+    for k in ("STELLA_TIMEOUT", "STELLA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "STELLA_CLUSTERS",
+              "STELLA_CLUSTER", "STELLA_INTRA_BACKEND"):
+        monkeypatch.delenv(k, raising=False)
+    c = Config.from_env()
+    assert c.timeout_s > 0 and c.intra_backend == "auto" and c.clusters_per_node == 0
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    assert Config.from_env().fusion_threshold == 1024
+    monkeypatch.setenv("STELLA_FUSION_THRESHOLD", "2048")
+    assert Config.from_env().fusion_threshold == 2048
+
+
+@pytest.mark.parametrize("var,value,match", [
+    ("STELLA_TIMEOUT", "soon", "STELLA_TIMEOUT"),
+    ("STELLA_TIMEOUT", "-1", "positive"),
+    ("STELLA_INTRA_BACKEND", "carrier-pigeon", "auto, mpi or gloo"),
+    ("STELLA_CLUSTERS", "-2", "STELLA_CLUSTERS"),
+    ("STELLA_CHECK_COLLECTIVES", "maybe", "STELLA_CHECK_COLLECTIVES"),
+])
+def test_config_errors_name_the_variable(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        Config.from_env()
+
+
+def _cfg(monkeypatch, **env):
+    for k in ("STELLA_CLUSTER", "STELLA_CLUSTERS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return Config.from_env()
+
+
+def test_cluster_labels(monkeypatch):
+    assert cluster_label(_cfg(monkeypatch), 3, 0, 4) == "node:3"
+    c = _cfg(monkeypatch, STELLA_CLUSTERS="2")
+    assert [cluster_label(c, 0, r, 4) for r in range(4)] == ["node:0/0"] * 2 + ["node:0/1"] * 2
+    assert [cluster_label(c, 0, r, 3) for r in range(3)] == ["node:0/0"] * 2 + ["node:0/1"]
+    with pytest.raises(ValueError, match="more clusters"):
+        cluster_label(_cfg(monkeypatch, STELLA_CLUSTERS="5"), 0, 0, 4)
+    assert cluster_label(_cfg(monkeypatch, STELLA_CLUSTER="eu-west"), 0, 0, 4) == "label:eu-west"

@@ -1,0 +1,50 @@
+"""The API on one process (no mpirun): errors before init, init/shutdown, size-1 collectives."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = r'''
+import torch, stella_mpi as hvd
+from stella_mpi.errors import HorovodInternalError
+try:
+    hvd.size()
+except ValueError as e:
+    assert "hvd.init()" in str(e), e
+else:
+    raise SystemExit("size() before init did not raise")
+try:
+    hvd.allreduce(torch.ones(2))
+except HorovodInternalError as e:
+    assert "hvd.init()" in str(e)
+else:
+    raise SystemExit("allreduce before init did not raise")
+assert not hvd.is_initialized()
+hvd.init(); hvd.init()  # idempotent
+assert hvd.is_initialized() and hvd.size() == 1 and hvd.rank() == 0
+assert hvd.num_clusters() == 1 and hvd.cluster_size() == 1 and hvd.local_size() == 1
+assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_enabled()
+assert hvd.ddl_built() is False and hvd.ccl_built() is False
+assert isinstance(hvd.nccl_built(), int) and isinstance(hvd.cuda_built(), bool)
+x = torch.randn(5)
+assert torch.equal(hvd.allreduce(x), x)
+assert torch.equal(hvd.allgather(x.view(5, 1)), x.view(5, 1))
+assert hvd.broadcast_object({"a": 1}) == {"a": 1}
+assert hvd.join() == 0
+hvd.shutdown(); hvd.shutdown()
+assert not hvd.is_initialized()
+hvd.init()
+assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x)
+hvd.shutdown()
+print("single-process checks passed")
+'''
+
+
+def test_single_process_lifecycle():
+    # a child process: MPI is initialized once per process, and the test runner must stay free
+    # of MPI so that it can launch mpirun jobs
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "single-process checks passed" in proc.stdout
