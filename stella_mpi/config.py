@@ -35,6 +35,7 @@ class Config:
     intra_backend: str        # "auto" | "mpi" | "gloo" for CPU tensors inside a cluster
     cluster_label: str        # STELLA_CLUSTER (per rank) or ""
     clusters_per_node: int    # STELLA_CLUSTERS (0: unset)
+    cluster_map: str          # STELLA_CLUSTER_MAP "host=label,host=label" (stellarun --cluster-of)
     gloo_ifname: str          # interface gloo binds to ("" = pick)
     log_level: str
 
@@ -56,6 +57,7 @@ class Config:
             intra_backend=intra,
             cluster_label=_env(["STELLA_CLUSTER"], "", str),
             clusters_per_node=clusters,
+            cluster_map=_env(["STELLA_CLUSTER_MAP"], "", str),
             gloo_ifname=_env(["STELLA_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"], "", str),
             log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
         )

@@ -6,6 +6,7 @@ The cluster level sits beside them. A cluster's membership comes from the
 launcher, never from guessing:
 
 * ``STELLA_CLUSTER=<label>`` on each rank: ranks with the same label form a cluster;
+* ``STELLA_CLUSTER_MAP=host=label,...``: ranks on hosts with the same label form a cluster;
 * ``STELLA_CLUSTERS=N``: each node's ranks are split into N consecutive groups
   (sizes differ by at most one when N does not divide the node's ranks);
 * otherwise one cluster per node.
@@ -98,6 +99,20 @@ def cluster_label(config, node_id, local_rank, local_size):
     """This rank's cluster label from the launcher's settings (see the module docstring)."""
     if config.cluster_label:
         return "label:" + config.cluster_label
+    if config.cluster_map:
+        import socket
+        mapping = {}
+        for item in config.cluster_map.split(","):
+            host, sep, label = item.strip().partition("=")
+            if not sep or not host or not label:
+                raise ValueError("STELLA_CLUSTER_MAP entries must be HOST=LABEL, got %r" % item)
+            mapping[host] = label
+        name = socket.gethostname()
+        for candidate in (name, name.split(".")[0]):
+            if candidate in mapping:
+                return "map:" + mapping[candidate]
+        raise ValueError("STELLA_CLUSTER_MAP does not name this host (%s); it names %s"
+                         % (name, ", ".join(sorted(mapping))))
     if config.clusters_per_node:
         n = config.clusters_per_node
         if n > local_size:

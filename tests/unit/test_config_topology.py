@@ -53,3 +53,27 @@ def test_cluster_labels(monkeypatch):
     with pytest.raises(ValueError, match="more clusters"):
         cluster_label(_cfg(monkeypatch, STELLA_CLUSTERS="5"), 0, 0, 4)
     assert cluster_label(_cfg(monkeypatch, STELLA_CLUSTER="eu-west"), 0, 0, 4) == "label:eu-west"
+
+
+def test_cluster_map_by_host(monkeypatch):
+    import socket
+    host = socket.gethostname()
+    c = _cfg(monkeypatch, STELLA_CLUSTER_MAP="%s=lab,elsewhere=cloud" % host)
+    assert cluster_label(c, 0, 0, 1) == "map:lab"
+    with pytest.raises(ValueError, match="does not name this host"):
+        cluster_label(_cfg(monkeypatch, STELLA_CLUSTER_MAP="elsewhere=cloud"), 0, 0, 1)
+    with pytest.raises(ValueError, match="HOST=LABEL"):
+        cluster_label(_cfg(monkeypatch, STELLA_CLUSTER_MAP="nolabel"), 0, 0, 1)
+
+
+def test_stellarun_builds_the_mpirun_command():
+    from stella_mpi.launcher import build_command, parse
+    cmd = build_command(parse(["-np", "4", "--clusters", "2", "--mpirun", "/x/mpirun", "python", "t.py", "--lr", "1"]))
+    assert cmd[:3] == ["/x/mpirun", "-np", "4"]
+    assert cmd[-4:] == ["python", "t.py", "--lr", "1"]
+    i = cmd.index("STELLA_CLUSTERS")
+    assert cmd[i - 1] == "-genv" and cmd[i + 1] == "2"
+    with pytest.raises(SystemExit, match="more than"):
+        build_command(parse(["-np", "2", "--clusters", "3", "--mpirun", "m", "python"]))
+    with pytest.raises(SystemExit, match="HOST=LABEL"):
+        build_command(parse(["-np", "2", "--cluster-of", "x", "--mpirun", "m", "python"]))

@@ -1,0 +1,80 @@
+"""A Horovod PyTorch training script; the only change for stella_mpi is the import line.
+
+    mpirun -np 4 -env STELLA_CLUSTERS 2 python examples/train_horovod.py
+
+trains a byte-level language model on Python's own standard-library sources, each rank on
+its own batches, and checks at the end that every rank holds identical parameters.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import stella_mpi as hvd  # was: import horovod.torch as hvd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--fp16", action="store_true", help="send gradients as float16")
+    args = parser.parse_args()
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    context = 32
+    corpus = load_corpus()
+    data = ByteBatches(corpus, context, args.batch_size, seed=1 + hvd.rank())
+    model = ByteMLP(context)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
+
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none)
+
+    if hvd.rank() == 0:
+        nparams = sum(p.numel() for p in model.parameters())
+        print("stella_mpi: %d ranks in %d clusters (this rank: cluster %d of size %d); model %.2fM parameters; "
+              "%.1f MB of stdlib text" % (hvd.size(), hvd.num_clusters(), hvd.cluster_id(), hvd.cluster_size(),
+                                          nparams / 1e6, len(corpus) / 1e6), flush=True)
+    vx, vy = data.validation()
+    t_start = time.perf_counter()
+    t_last = t_start
+    for step in range(1, args.steps + 1):
+        x, y = data.next()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if step % args.log_every == 0 or step == args.steps:
+            avg = hvd.allreduce(loss.detach(), name="train_loss").item()
+            now = time.perf_counter()
+            if hvd.rank() == 0:
+                print("step %4d  loss %.4f  %.1f ms/step" % (step, avg, 1000 * (now - t_last) / args.log_every),
+                      flush=True)
+            t_last = now
+    with torch.no_grad():
+        val = hvd.allreduce(torch.nn.functional.cross_entropy(model(vx), vy), name="val_loss").item()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0), name="final_parameters")
+    identical = all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
+    if hvd.rank() == 0:
+        print("done: %d steps in %.1f s; validation loss %.4f (%.2f bits/byte); parameters identical on all %d "
+              "ranks: %s" % (args.steps, time.perf_counter() - t_start, val, val / 0.6931, hvd.size(), identical),
+              flush=True)
+    if not identical:
+        raise SystemExit("parameters differ between ranks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set everything up, then run the C tests (plain and with ASan+UBSan) and the Python tests.
+# Long runs (fuzzing, WAN benchmarks) have their own commands; see README.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+. .venv/bin/activate
+if command -v cmake >/dev/null; then
+    for variant in release asan; do
+        flags=""
+        [ "$variant" = asan ] && flags="-DSTELLA_SANITIZE=ON"
+        cmake -S . -B "build/$variant" -DCMAKE_BUILD_TYPE=Release $flags >/dev/null
+        cmake --build "build/$variant" -j2 >/dev/null
+        (cd "build/$variant" && ctest --output-on-failure)
+    done
+else
+    echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
+fi
+python -m pytest -q -m "not slow" "$@"
