@@ -8,10 +8,11 @@ clusters MPI does, on the communicators of ``topology.Communicators``:
   clusters, all-gather inside the cluster. Every rank's link to the WAN works.
 * allreduce, clusters of unequal size: reduce to the cluster leader, reduce
   among leaders, broadcast inside the cluster.
-* across clusters, two clusters (or 16-bit floats) use an all-gather followed
-  by a reduction in cluster order, in C: the result is bit-identical on every
-  rank and 16-bit data crosses the WAN at 16 bits. More clusters use MPI's
-  allreduce.
+* across two clusters, each rank swaps its shard with its peer and reduces
+  (a OP b equals b OP a bit for bit, so both agree); with more clusters,
+  16-bit floats are all-gathered and reduced in cluster order in C (16-bit
+  data crosses the WAN at 16 bits, results bit-identical everywhere), other
+  dtypes use MPI's allreduce.
 * allgather and broadcast go leader to leader across clusters; alltoall is
   point to point by nature and goes straight over the world communicator.
 """
@@ -71,6 +72,17 @@ class Hierarchy:
         self.topo = comms.topo
         self.intra = intra
         self.deadline = deadline
+        self._scratch = {}
+
+    def scratch(self, slot, n, dtype):
+        """A reusable buffer of ``n`` elements (fresh allocations of large buffers cost page
+        faults on every call). Only the engine thread uses it, one op at a time; callers
+        never hand it out to users."""
+        buf = self._scratch.get((slot, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=dtype)
+            self._scratch[(slot, dtype)] = buf
+        return buf[:n]
 
     # ---------------- allreduce ----------------
 
@@ -89,7 +101,8 @@ class Hierarchy:
             return
         if topo.uniform_clusters:
             counts = split_counts(buf.numel(), topo.cluster_size)
-            shard = self.intra.reduce_scatter(buf, counts, op)
+            shard = self.intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[topo.cluster_rank],
+                                                                           buf.dtype))
             self._cross_reduce(shard, op, self.comms.shard, wire_dtype)
             self.intra.allgather_into(shard, counts, buf)
         else:
@@ -100,12 +113,27 @@ class Hierarchy:
 
     def _cross_reduce(self, buf, op, comm, wire_dtype):
         nclusters = comm.Get_size()
-        if nclusters == 1 or buf.numel() == 0:
+        n = buf.numel()
+        if nclusters == 1 or n == 0:
             return
         small_float = wire_dtype in (torch.float16, torch.bfloat16)
-        if nclusters == 2 or small_float:
-            wire = buf if not small_float else buf.to(wire_dtype)
-            gathered = torch.empty((nclusters, buf.numel()), dtype=wire.dtype)
+        if small_float:
+            wire = self.scratch("wire", n, wire_dtype)
+            wire.copy_(buf)
+        else:
+            wire = buf
+        if nclusters == 2:
+            # exchange with the one peer; a OP b == b OP a bit for bit, so both sides agree
+            other = self.scratch("peer", n, wire.dtype)
+            peer = 1 - comm.Get_rank()
+            self.deadline.wait_all([comm.Isend(mpi_view(wire), dest=peer, tag=77),
+                                    comm.Irecv(mpi_view(other), source=peer, tag=77)], "cross-cluster exchange")
+            if small_float:
+                # round our own part the same way as the peer's, so that both sums match
+                buf.copy_(wire)
+            accumulate(buf, other, op)
+        elif small_float:
+            gathered = self.scratch("gather", nclusters * n, wire.dtype).view(nclusters, n)
             self.deadline.wait(comm.Iallgather(mpi_view(wire), mpi_view(gathered)), "cross-cluster allgather")
             buf.copy_(gathered[0])
             for c in range(1, nclusters):

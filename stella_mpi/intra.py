@@ -47,8 +47,8 @@ class MpiIntra:
         self.deadline.wait(self.comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI_OPS[op]),
                            "intra-cluster allreduce")
 
-    def reduce_scatter(self, buf, counts, op):
-        shard = torch.empty(counts[self.rank], dtype=buf.dtype)
+    def reduce_scatter(self, buf, counts, op, out=None):
+        shard = torch.empty(counts[self.rank], dtype=buf.dtype) if out is None else out
         self.deadline.wait(self.comm.Ireduce_scatter(mpi_view(buf), mpi_view(shard), counts, op=MPI_OPS[op]),
                            "intra-cluster reduce-scatter")
         return shard
@@ -148,11 +148,15 @@ class TorchIntra:
         self._wait(self.pg.allreduce([buf], opts), "intra-cluster allreduce (%s)" % self.name)
 
     @_with_fallback
-    def reduce_scatter(self, buf, counts, op):
+    def reduce_scatter(self, buf, counts, op, out=None):
         # gloo's reduce-scatter wants equal chunks: reduce the whole buffer, keep our shard
         self.allreduce(buf, op)
         start = sum(counts[:self.rank])
-        return buf[start:start + counts[self.rank]].clone()
+        mine = buf[start:start + counts[self.rank]]
+        if out is None:
+            return mine.clone()
+        out.copy_(mine)
+        return out
 
     @_with_fallback
     def allgather_into(self, shard, counts, out):
@@ -197,21 +201,27 @@ def nccl_usable():
         and dist.is_nccl_available()
 
 
-def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps=3):
-    """Time one allreduce of ``nbytes`` on both backends; every rank of the cluster takes the
-    same choice (the slowest rank's timings decide). Clusters may choose differently."""
+def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps=3, small_reps=20):
+    """Time both backends on a bucket-sized allreduce (``nbytes``) and on ``small_reps``
+    one-element allreduces (latency); the lower total wins. Every rank of the cluster takes
+    the same choice (the slowest rank's timings decide); clusters may choose differently.
+    Returns (backend, [mpi seconds, gloo seconds])."""
     import time
     n = nbytes // 4
     times = []
     for backend in (mpi_intra, gloo_intra):
         buf = torch.ones(n, dtype=torch.float32)
+        tiny = torch.ones(1, dtype=torch.float32)
         backend.allreduce(buf, "sum")  # warm up connections
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
             backend.allreduce(buf, "sum")
             best = min(best, time.perf_counter() - t0)
-        times.append(best)
+        t0 = time.perf_counter()
+        for _ in range(small_reps):
+            backend.allreduce(tiny, "sum")
+        times.append(best + time.perf_counter() - t0)
     agreed = allreduce_max(comm, times, deadline, "intra backend timing")
     return (mpi_intra if agreed[0] <= agreed[1] else gloo_intra), agreed
 

@@ -56,11 +56,18 @@ def execute_allreduce(pset, desc, inputs, joined):
     op = desc["op"]
     base_op = "sum" if op == "average" else op
     sizes = [t.numel() for t in tensors]
-    buf = torch.empty(sum(sizes), dtype=cdt)
-    pos = 0
-    for t, n in zip(tensors, sizes):
-        buf[pos:pos + n].copy_(t.reshape(-1))
-        pos += n
+    direct = len(tensors) == 1 and cdt == dtype and outputs[0].is_contiguous()
+    if direct:
+        # one tensor in its own dtype: reduce in the output itself, no fusion buffer
+        buf = outputs[0].view(-1)
+        if outputs[0] is not tensors[0]:
+            buf.copy_(tensors[0].reshape(-1))
+    else:
+        buf = torch.empty(sum(sizes), dtype=cdt)
+        pos = 0
+        for t, n in zip(tensors, sizes):
+            buf[pos:pos + n].copy_(t.reshape(-1))
+            pos += n
     if desc["prescale"] != 1.0:
         _scale(buf, desc["prescale"])
     wire = DTYPES[desc["wire"]] if desc.get("wire") else None
@@ -72,10 +79,11 @@ def execute_allreduce(pset, desc, inputs, joined):
         scale = scale / pset.nranks
     if scale != 1.0:
         _scale(buf, scale)
-    pos = 0
-    for out, n in zip(outputs, sizes):
-        out.reshape(-1).copy_(buf[pos:pos + n])
-        pos += n
+    if not direct:
+        pos = 0
+        for out, n in zip(outputs, sizes):
+            out.view(-1).copy_(buf[pos:pos + n]) if out.is_contiguous() else out.copy_(buf[pos:pos + n].view(out.shape))
+            pos += n
     return outputs
 
 

@@ -1,10 +1,13 @@
 """Waiting on MPI and gloo with a deadline, and torch <-> MPI buffer views.
 
-MPI has no timeouts, so every wait here polls a non-blocking request, first
-spinning briefly (small messages finish in microseconds), then sleeping with
-a growing interval: the training thread keeps the CPU and the GIL while the
-background engine waits, which matters when ranks outnumber cores.
+MPI has no timeouts, so every wait here polls a non-blocking request. MPI
+progresses a non-blocking collective only inside MPI calls, so the poll must
+be frequent: it yields the CPU between tests (other ranks on the same cores
+get to run, which matters when ranks outnumber cores) and only after a few
+milliseconds without completion falls back to short sleeps. The GIL is
+released while yielding or sleeping, so the training thread keeps running.
 """
+import os
 import time
 from datetime import timedelta
 
@@ -14,8 +17,8 @@ from mpi4py import MPI
 
 from .errors import StellaTimeoutError
 
-_SPINS = 64
-_MAX_SLEEP = 1e-3
+_YIELD_SECONDS = 5e-3   # poll with sched_yield this long before sleeping
+_MAX_SLEEP = 2e-4
 
 
 class Deadline:
@@ -40,15 +43,21 @@ class Deadline:
         if MPI.Request.Testall(reqs):
             return
         start = time.monotonic()
-        spins, nap = 0, 2e-5
+        polls, nap = 0, 1e-5
+        yield_ = os.sched_yield
         while not MPI.Request.Testall(reqs):
-            if spins < _SPINS:
-                spins += 1
+            polls += 1
+            if polls & 63:
+                yield_()
                 continue
-            if time.monotonic() - start > self.timeout_s:
+            elapsed = time.monotonic() - start
+            if elapsed > self.timeout_s:
                 raise self._expired(what)
-            time.sleep(nap)
-            nap = min(nap * 2, _MAX_SLEEP)
+            if elapsed < _YIELD_SECONDS:
+                yield_()
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, _MAX_SLEEP)
 
     def wait_work(self, work, what):
         """Wait on a torch.distributed Work object (gloo/NCCL)."""
