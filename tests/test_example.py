@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from mpi_launch import ROOT
 
 pytestmark = pytest.mark.mpi
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpirun_path
+from mpi_launch import ROOT, mpirun_path
 
 pytestmark = pytest.mark.mpi
 

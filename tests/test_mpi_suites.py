@@ -3,7 +3,7 @@ one and two clusters, 2, 3 and 4 ranks, uneven clusters, interleaved cluster lab
 and both intra-cluster backends."""
 import pytest
 
-from conftest import run_mpi, run_mpmd
+from mpi_launch import run_mpi, run_mpmd
 
 pytestmark = pytest.mark.mpi
 

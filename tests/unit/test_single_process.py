@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from mpi_launch import ROOT
 
 SCRIPT = r'''
 import torch, stella_mpi as hvd

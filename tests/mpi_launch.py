@@ -1,0 +1,61 @@
+"""Helpers for tests that launch ranks with mpirun, with a timeout."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpirun_path():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+def run_mpi(np_, args, env=None, timeout=240, cwd=ROOT):
+    """Run ``python -m mpi4py ARGS`` on ``np_`` ranks; returns the CompletedProcess.
+
+    ``python -m mpi4py`` makes an uncaught exception on any rank abort the whole job, and
+    the timeout bounds the run even if something hangs."""
+    launcher = mpirun_path()
+    if launcher is None:
+        pytest.skip("no mpirun found (pip install mpich)")
+    full_env = dict(os.environ)
+    full_env.pop("STELLA_CLUSTER", None)
+    full_env.pop("STELLA_CLUSTERS", None)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "STELLA_TIMEOUT": "60",
+                     "STELLA_MPI_SUITE": "1"})
+    full_env.update(env or {})
+    cmd = [launcher, "-np", str(np_), sys.executable, "-m", "mpi4py"] + list(args)
+    try:
+        return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail("mpirun -np %d %s timed out after %ds\n%s\n%s" % (np_, " ".join(args), timeout, out[-4000:],
+                                                                     err[-4000:]))
+
+
+def run_mpmd(parts, timeout=240, env=None):
+    """MPMD launch: ``parts`` is a list of (nranks, extra_env, args) run as one MPI job
+    (used to give ranks different STELLA_CLUSTER labels)."""
+    launcher = mpirun_path()
+    if launcher is None:
+        pytest.skip("no mpirun found (pip install mpich)")
+    cmd = [launcher]
+    for i, (n, penv, args) in enumerate(parts):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", str(n)]
+        for k, v in penv.items():
+            cmd += ["-env", k, v]
+        cmd += [sys.executable, "-m", "mpi4py"] + list(args)
+    full_env = dict(os.environ)
+    full_env.pop("STELLA_CLUSTER", None)
+    full_env.pop("STELLA_CLUSTERS", None)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "STELLA_TIMEOUT": "60",
+                     "STELLA_MPI_SUITE": "1"})
+    full_env.update(env or {})
+    return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
