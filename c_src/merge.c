@@ -14,7 +14,7 @@
 #include "compress_internal.h"
 #include <stdlib.h>
 
-#define WIN 4096
+#define WIN 4096 /* 64 mark words: one summary word covers the window */
 #define MAX_LISTS 65536
 
 static int list_ok(const uint32_t *I, int64_t L, int64_t n) {
@@ -50,7 +50,7 @@ int stella_merge_f32(int64_t w, const uint32_t *const *idx, const float *const *
     }
     int64_t *pos = (int64_t *)calloc((size_t)w, sizeof(int64_t));
     float *acc = (float *)malloc(WIN * sizeof(float));
-    uint8_t *mark = (uint8_t *)calloc(WIN, 1);
+    uint64_t *mark = (uint64_t *)calloc(WIN / 64, sizeof(uint64_t));
     if (!pos || !acc || !mark) { free(pos); free(acc); free(mark); return STELLA_ERR_NOMEM; }
     for (int i = 0; i < WIN; i++) acc[i] = -0.0f;
     int64_t o = 0;
@@ -62,6 +62,7 @@ int stella_merge_f32(int64_t w, const uint32_t *const *idx, const float *const *
         if (mn == INT64_MAX) break;
         const uint32_t base = (uint32_t)(mn & ~(int64_t)(WIN - 1));
         const uint32_t span = WIN; /* offsets [0, WIN) */
+        uint64_t summary = 0; /* bit t: mark word t is not empty */
         for (int64_t j = 0; j < w; j++) {
             const uint32_t *I = idx[j];
             const float *V = val[j];
@@ -69,18 +70,19 @@ int stella_merge_f32(int64_t w, const uint32_t *const *idx, const float *const *
             while (p < L && I[p] - base < span) { /* I[p] >= base: every head is >= mn >= base */
                 uint32_t l = I[p] - base;
                 acc[l] += V[p];
-                mark[l] = 1;
+                mark[l >> 6] |= (uint64_t)1 << (l & 63);
+                summary |= (uint64_t)1 << (l >> 6);
                 p++;
             }
             pos[j] = p;
         }
-        for (int wd = 0; wd < WIN / 8; wd++) {
-            uint64_t m;
-            memcpy(&m, mark + 8 * wd, 8);
-            if (!m) continue;
-            memset(mark + 8 * wd, 0, 8);
+        while (summary) {
+            uint32_t wd = (uint32_t)__builtin_ctzll(summary);
+            summary &= summary - 1;
+            uint64_t m = mark[wd];
+            mark[wd] = 0;
             while (m) {
-                uint32_t l = (uint32_t)(8 * wd + (__builtin_ctzll(m) >> 3));
+                uint32_t l = (uint32_t)(64 * wd + __builtin_ctzll(m));
                 m &= m - 1;
                 if (o >= cap) { rc = STELLA_ERR_SIZE; goto out; }
                 out_idx[o] = base + l;

@@ -284,9 +284,11 @@ def decode(payload, n, expected_key=0):
 
 # ------------------------------------------------------------ merge, scatter
 
-def merge(pairs, n):
+def merge(pairs, n, out=None):
     """k-way merge of (indices, values) lists, each strictly ascending < n:
-    union ascending, values summed in list order."""
+    union ascending, values summed in list order. ``out``: optional (int32,
+    float32) tensors to write into (reused buffers avoid page faults); the
+    result is a view of them."""
     w = len(pairs)
     ips = ffi.new("uint32_t *[]", max(w, 1))
     vps = ffi.new("float *[]", max(w, 1))
@@ -297,8 +299,13 @@ def merge(pairs, n):
         ips[j], vps[j], lens[j] = ip, vp, k
         total += k
     total = max(0, min(total, int(n)))  # the union never exceeds n
-    out_i = torch.empty(total, dtype=torch.int32)
-    out_v = torch.empty(total, dtype=torch.float32)
+    if out is None:
+        out_i = torch.empty(total, dtype=torch.int32)
+        out_v = torch.empty(total, dtype=torch.float32)
+    else:
+        out_i, out_v = out
+        _pair_ptrs(out_i, out_v, "merge output")
+        total = min(total, out_i.numel())
     out_len = ffi.new("int64_t *")
     _native.check(lib.stella_merge_f32(w, ips, vps, lens, int(n),
                                        ffi.cast("uint32_t *", out_i.data_ptr()) if total else ffi.NULL,

@@ -190,6 +190,11 @@ def test_merge_validation_and_special_values():
     with pytest.raises(ValueError):
         K.merge([a, (np.array([1], np.int32), np.ones(2, np.float32))], 10000)
     assert K.merge([], 10)[0].numel() == 0
+    buf = (torch.empty(6, dtype=torch.int32), torch.empty(6))
+    oi, ov = K.merge([a, b], 10000, out=buf)
+    assert oi.tolist() == mi.tolist() and oi.data_ptr() == buf[0].data_ptr()
+    with pytest.raises(ValueError):
+        K.merge([a, b], 10000, out=(torch.empty(4, dtype=torch.int32), torch.empty(4)))
 
 
 def test_scatter_add():
