@@ -27,5 +27,5 @@ for t in "${TARGETS[@]}"; do
   "$CC" "${FLAGS[@]}" "$ROOT/tests/fuzz/$t.c" "${OBJS[@]}" -lm -o "$OUT/$t"
   mkdir -p "$OUT/corpus_$t"
   echo "== $t for ${SECONDS_EACH}s"
-  "$OUT/$t" -max_total_time="$SECONDS_EACH" -print_final_stats=1 -max_len=4096 "$OUT/corpus_$t" 2>&1 | tail -n 12
+  "$OUT/$t" -max_total_time="$SECONDS_EACH" -print_final_stats=1 -max_len=4096 -artifact_prefix="$OUT/$t-" "$OUT/corpus_$t" 2>&1 | tail -n 12
 done
