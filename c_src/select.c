@@ -153,8 +153,10 @@ static int cmp_desc_u64(const void *x, const void *y) {
 uint64_t stella_select_desc_u64(uint64_t *a, int64_t n, int64_t m) {
     int64_t lo = 0, hi = n - 1, t = m - 1;
     uint64_t rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)n;
-    int budget = 8;
-    for (int64_t x = n; x; x >>= 1) budget += 2;
+    /* each round keeps about half on average; 4 log2(n) + 16 rounds is far in
+     * the tail, and only then does the sort fallback (n log n) run */
+    int budget = 16;
+    for (int64_t x = n; x; x >>= 1) budget += 4;
     while (hi > lo) {
         if (budget-- <= 0) { /* pathological pivots: finish with a sort */
             qsort(a + lo, (size_t)(hi - lo + 1), sizeof(uint64_t), cmp_desc_u64);
