@@ -1,0 +1,267 @@
+"""Sparse compressors for the cross-cluster (WAN) hop: exact top-k, cache-aware
+blocks (StellaTrain), threshold and random-k, all with error feedback fused
+into the C selection pass.
+
+Use::
+
+    comp = Compression.cacheaware(density=0.01)       # or topk, threshold, randomk
+    sel = comp.select(flat_f32, ctx, memory=mem)      # Selection: int32 indices, float32 values
+    payload = comp.encode(sel, ctx)                   # 1-D torch.uint8
+    sel2 = comp.decode(payload, ctx, numel)           # validates; MalformedPayloadError if bad
+    merged = merge_selections([sel_a, sel_b])         # union, values summed in list order
+    scatter_add(dense_out, merged, scale=1.0 / n)
+
+``comp.settings()`` must be equal on every rank. Tensors with fewer than
+``16 / density`` elements are selected with the exact top-k whatever the
+compressor (a block or a random draw would be too coarse), k = max(1,
+round(density * numel)).
+"""
+import math
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import kernels
+from .base import Compressor, register
+
+__all__ = ["Selection", "SparseCompressor", "TopKCompressor", "CacheAwareCompressor", "ThresholdCompressor",
+           "RandomKCompressor", "merge_selections", "scatter_add"]
+
+
+@dataclass
+class Selection:
+    """Entries selected from a flat tensor of ``numel`` float32 elements.
+
+    indices: 1-D torch.int32, strictly ascending, each in [0, numel).
+    values:  1-D torch.float32, the same length (already rounded to the wire
+             dtype when the compressor sends float16/bfloat16).
+    key:     the random-k key when the indices are the random-k draw (the
+             payload then carries values only), else None.
+    """
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+    key: Optional[int] = None
+
+    def __len__(self):
+        return self.indices.numel()
+
+    def to_dense(self):
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        if len(self):
+            kernels.scatter_add(out, self.indices, self.values)
+        return out
+
+
+def _flat_f32(tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError("expected a torch tensor, got %s" % type(tensor).__name__)
+    if tensor.dtype != torch.float32:
+        raise TypeError("sparse compressors take float32 tensors, got %s" % tensor.dtype)
+    if tensor.device.type != "cpu":
+        raise ValueError("sparse compressors run on the CPU; got a %s tensor" % tensor.device)
+    if not tensor.is_contiguous():
+        raise ValueError("the tensor must be contiguous")
+    return tensor.detach().view(-1)
+
+
+_WIRE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SparseCompressor(Compressor):
+    """Base of the sparse compressors: density, value dtype on the wire, and
+    per-tensor selection state (carried thresholds, scratch memory)."""
+    name = "sparse"
+    sparse = True
+
+    def __init__(self, density=0.01, value_dtype="float32"):
+        density = float(density)
+        if not (0.0 < density <= 1.0):
+            raise ValueError("density must be in (0, 1], got %r" % density)
+        self.density = density
+        self.value_dtype = kernels.value_dtype_name(value_dtype)
+        self._states = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return "%s(density=%g, value_dtype=%r)" % (type(self).__name__, self.density, self.value_dtype)
+
+    def settings(self):
+        return (self.name, self.density, self.value_dtype) + self._extra_settings()
+
+    def _extra_settings(self):
+        return ()
+
+    # Horovod's dense contract does not apply: the WAN exchange calls select/encode/decode.
+    def compress(self, tensor):
+        raise TypeError("%s is a sparse compressor: use select/encode/decode (cross-cluster hop)" % self.name)
+
+    def decompress(self, tensor, ctx):
+        raise TypeError("%s is a sparse compressor: use select/encode/decode (cross-cluster hop)" % self.name)
+
+    def k_for(self, numel):
+        """Entries to send for a tensor of numel elements."""
+        if numel <= 0:
+            return 0
+        return max(1, min(numel, int(round(self.density * numel))))
+
+    def is_small(self, numel):
+        return numel < 16.0 / self.density
+
+    def state(self, name):
+        """The selection state of one tensor (created on first use)."""
+        with self._lock:
+            st = self._states.get(name)
+            if st is None:
+                st = kernels.SelState()
+                self._states[name] = st
+            return st
+
+    def select(self, tensor, ctx, memory=None):
+        """Select entries of a flat float32 CPU tensor. With ``memory`` (error
+        feedback) acc = tensor + residual[ctx.name]; entries are taken from acc
+        and the residual becomes acc minus what is sent, so that, bit for bit,
+        sent + residual == acc (for 16-bit wire values the rounding error stays
+        in the residual, exact while |acc| < 2x the largest finite wire value)."""
+        flat = _flat_f32(tensor)
+        n = flat.numel()
+        if n > kernels.MAX_NUMEL:
+            raise ValueError("tensor %r has %d elements; split it below %d" % (ctx.name, n, kernels.MAX_NUMEL))
+        residual = memory.residual(ctx.name, n) if memory is not None else None
+        k = self.k_for(n)
+        key = None
+        if n == 0:
+            idx, val = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
+        elif self.is_small(n):
+            idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+        else:
+            idx, val, key = self._select(flat, n, k, residual, ctx)
+        if self.value_dtype != "float32" and len(idx):
+            val = self._round_to_wire(idx, val, residual)
+        return Selection(idx, val, n, key)
+
+    def _select(self, flat, n, k, residual, ctx):
+        raise NotImplementedError
+
+    def _round_to_wire(self, idx, val, residual):
+        wire = _WIRE[self.value_dtype]
+        finfo = torch.finfo(wire)
+        finite = torch.isfinite(val)
+        q = torch.where(finite, val.clamp(-finfo.max, finfo.max), val).to(wire).to(torch.float32)
+        if residual is not None:
+            err = torch.where(finite, val - q, torch.zeros_like(val))
+            residual.index_copy_(0, idx.long(), err)
+        return q
+
+    def encode(self, sel, ctx):
+        """Payload of a selection: 1-D torch.uint8, the smallest index scheme
+        (16-bit offsets, block ids, values only for random-k and dense)."""
+        if sel.key is not None:
+            return kernels.randomk_encode(sel.key, sel.values, sel.numel, self.value_dtype)
+        return kernels.encode(sel.indices, sel.values, sel.numel, "auto", self.value_dtype)
+
+    def decode(self, payload, ctx, numel):
+        """Validate and decode a payload from a peer (MalformedPayloadError naming what is wrong)."""
+        idx, val = kernels.decode(payload, numel, self._expected_key(ctx, numel))
+        return Selection(idx, val, int(numel))
+
+    def _expected_key(self, ctx, numel):
+        return 0
+
+
+class TopKCompressor(SparseCompressor):
+    """Exact top-k by magnitude (a selection algorithm, not a sort)."""
+    name = "topk"
+
+    def _select(self, flat, n, k, residual, ctx):
+        idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+        return idx, val, None
+
+
+class CacheAwareCompressor(SparseCompressor):
+    """StellaTrain's cache-aware selection: whole 64-byte blocks of 16 floats
+    with the largest sum of magnitudes, ceil(k / 16) of them, found in one
+    pass with a threshold carried per tensor from step to step."""
+    name = "cacheaware"
+
+    def _select(self, flat, n, k, residual, ctx):
+        idx, val = kernels.block_topk(flat, k, residual, self.state(ctx.name))
+        return idx, val, None
+
+
+class ThresholdCompressor(SparseCompressor):
+    """Element-wise threshold selection: the threshold is estimated from a
+    sample of acc each step; everything above it is sent, at most
+    ``slack * k`` entries. ``exact=True`` sends exactly k (the threshold then
+    only speeds the exact selection up)."""
+    name = "threshold"
+
+    def __init__(self, density=0.01, value_dtype="float32", exact=False, slack=2.0):
+        super().__init__(density, value_dtype)
+        self.exact = bool(exact)
+        self.slack = float(slack)
+        if not self.slack >= 1.0:
+            raise ValueError("slack must be >= 1, got %r" % slack)
+
+    def _extra_settings(self):
+        return (self.exact, self.slack)
+
+    def _select(self, flat, n, k, residual, ctx):
+        t = kernels.estimate_threshold(flat, k, residual)
+        if math.isnan(t):
+            t = math.inf  # more than k NaNs: they all pass anyway
+        if self.exact:
+            lo = hi = k
+        else:
+            lo, hi = 0, min(n, int(math.ceil(self.slack * k)) + 16)
+        idx, val = kernels.threshold_select(flat, t, lo, hi, residual, self.state(ctx.name))
+        return idx, val, None
+
+
+class RandomKCompressor(SparseCompressor):
+    """Random-k: the same k indices on every rank, a pure function of (seed,
+    name, step, numel, k); the payload carries the values only."""
+    name = "randomk"
+
+    def _key(self, ctx):
+        return kernels.randomk_key(ctx.seed, ctx.name, ctx.step)
+
+    def _select(self, flat, n, k, residual, ctx):
+        key = self._key(ctx)
+        idx, val = kernels.randomk_select(flat, k, key, residual)
+        return idx, val, key
+
+    def _expected_key(self, ctx, numel):
+        return self._key(ctx)
+
+
+def merge_selections(selections):
+    """k-way merge of selections of the same tensor: union of the indices
+    (ascending), values summed in list order (identical bits on every rank
+    that merges the same list in the same order)."""
+    selections = list(selections)
+    if not selections:
+        raise ValueError("merge_selections needs at least one selection")
+    numel = selections[0].numel
+    for s in selections:
+        if s.numel != numel:
+            raise ValueError("cannot merge selections of %d and %d elements" % (numel, s.numel))
+    idx, val = kernels.merge([(s.indices, s.values) for s in selections], numel)
+    return Selection(idx, val, numel)
+
+
+def scatter_add(dense_out, selection, scale=1.0):
+    """dense_out[i] += value * scale for every selected entry (float32 CPU, contiguous)."""
+    if dense_out.numel() != selection.numel:
+        raise ValueError("dense buffer has %d elements, the selection %d" % (dense_out.numel(), selection.numel))
+    kernels.scatter_add(dense_out.view(-1) if isinstance(dense_out, torch.Tensor) else dense_out,
+                        selection.indices, selection.values, scale)
+    return dense_out
+
+
+register("topk", TopKCompressor)
+register("cacheaware", CacheAwareCompressor)
+register("threshold", ThresholdCompressor)
+register("randomk", RandomKCompressor)
