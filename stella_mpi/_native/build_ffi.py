@@ -31,8 +31,9 @@ def cdef_text(paths):
     return "\n".join(out)
 
 
-def sources():
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(C_SRC, "*.c")))
+def sources(absolute=False):
+    paths = sorted(glob.glob(os.path.join(C_SRC, "*.c")))
+    return paths if absolute else [os.path.relpath(p, ROOT) for p in paths]
 
 
 def compile_args():
@@ -43,18 +44,29 @@ def compile_args():
             "-Wall", "-Wno-unused-function"]
 
 
-ffibuilder = FFI()
-headers = public_headers()
-ffibuilder.cdef(cdef_text(headers))
-ffibuilder.set_source(
-    "stella_mpi._native._stella",
-    "\n".join('#include "%s"' % os.path.basename(h) for h in headers),
-    sources=sources(),
-    include_dirs=[os.path.relpath(C_SRC, ROOT)],
-    extra_compile_args=compile_args(),
-    libraries=["pthread", "m"] if sys.platform != "win32" else [],
-)
+def make_builder(absolute=False):
+    builder = FFI()
+    headers = public_headers()
+    builder.cdef(cdef_text(headers))
+    builder.set_source(
+        "stella_mpi._native._stella",
+        "\n".join('#include "%s"' % os.path.basename(h) for h in headers),
+        sources=sources(absolute),
+        include_dirs=[C_SRC if absolute else os.path.relpath(C_SRC, ROOT)],
+        extra_compile_args=compile_args(),
+        libraries=["pthread", "m"] if sys.platform != "win32" else [],
+    )
+    return builder
+
+
+ffibuilder = make_builder()  # used by setup.py (cffi_modules), paths relative to the repository
 
 if __name__ == "__main__":
-    os.chdir(ROOT)
-    ffibuilder.compile(tmpdir=os.path.join(ROOT, "build", "cffi"), verbose=True)
+    # rebuild in place without pip: python stella_mpi/_native/build_ffi.py
+    import shutil
+    tmp = os.path.join(ROOT, "build", "cffi")
+    built = make_builder(absolute=True).compile(tmpdir=tmp, verbose=True)
+    dest = os.path.join(ROOT, "stella_mpi", "_native")
+    for old in glob.glob(os.path.join(dest, "_stella*.so")):  # one build only: no stale module shadows it
+        os.remove(old)
+    shutil.copy(built, os.path.join(dest, os.path.basename(built)))
