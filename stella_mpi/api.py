@@ -17,6 +17,7 @@ from . import runtime
 from .compression.base import Compression
 from .engine import Op
 from .errors import CollectiveNotInitializedError, HorovodInternalError
+from . import exchange  # noqa: F401  (registers the sparse executor)
 from .ops import DTYPES, dtype_name, EXECUTORS, reducescatter_rows
 from .runtime import global_process_set
 
@@ -199,9 +200,51 @@ class _AllreduceFn(torch.autograd.Function):
 
 def _dense_compression(compression, what):
     if getattr(compression, "sparse", False):
-        raise ValueError("%s: %s is a sparse (WAN) compressor; the sparse cross-cluster route is not "
-                         "part of this build yet, use Compression.none, fp16 or bf16" % (what, compression.name))
+        raise ValueError("%s: %s is a sparse (WAN) compressor; use it with hvd.allreduce or "
+                         "DistributedOptimizer" % (what, compression.name))
     return compression
+
+
+def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                           process_set=global_process_set, memory=None, step=None, inplace=False):
+    """Reduce float32 tensors (fused) over all ranks through a sparse compressor on the
+    cross-cluster hop: dense inside each cluster, compressed across clusters (see exchange.py).
+
+    ``name`` keys the error-feedback residual (kept in ``memory``, by default the runtime's);
+    ``step`` feeds the compressor's context (random-k draws), by default a per-name counter."""
+    what = "hvd.allreduce(compression=%s)" % compression.name
+    eng = _engine(what)
+    pset = _pset(process_set, what)
+    rt = runtime._runtime
+    if not name:
+        raise ValueError("%s: a sparse compressor keeps an error-feedback residual per tensor, so the tensor "
+                         "needs a stable name=" % what)
+    for t in tensors:
+        _check_tensor(t, what)
+        if t.dtype != torch.float32:
+            raise TypeError("%s: sparse compression takes float32 tensors, got %s" % (what, t.dtype))
+    if op not in (Average, Sum):
+        raise ValueError("%s: sparse compression sums; op must be hvd.Average or hvd.Sum" % what)
+    if step is None:
+        step = rt.sparse_steps.get(name, 0)
+        rt.sparse_steps[name] = step + 1
+    desc = {"kind": "sparse_allreduce", "name": name, "dtype": "float32",
+            "shapes": [list(t.shape) for t in tensors], "op": _OP_NAMES[op], "prescale": float(prescale_factor),
+            "postscale": float(postscale_factor), "compressor": list(compression.settings()), "step": int(step),
+            "seed": rt.config.seed}
+    hosts = [_host(t) for t in tensors]
+    outputs = list(tensors) if inplace else [torch.empty_like(t) for t in tensors]
+    host_outs = [o if (o.device.type == "cpu" and o.is_contiguous()) else torch.empty_like(h)
+                 for o, h in zip(outputs, hosts)]
+
+    def post(result):
+        for o, h in zip(outputs, host_outs):
+            if o is not h:
+                o.copy_(h)
+        return outputs
+
+    mem = rt.sparse_memory if memory is None else memory
+    return _submit("sparse_allreduce", name, desc, (hosts, host_outs, compression, mem, rt.wan_stats), pset, post)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -209,6 +252,14 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Reduce ``tensor`` over all ranks of ``process_set`` and return the result (a new tensor)."""
     _check_tensor(tensor, "hvd.allreduce")
     op = handle_average_backwards_compatibility(op, average)
+    if getattr(compression, "sparse", False) and tensor.dtype == torch.float32:
+        if tensor.requires_grad and torch.is_grad_enabled():
+            raise ValueError("hvd.allreduce: autograd does not pass through a sparse compressor; detach the "
+                             "tensor (sparse compression is meant for gradients)")
+        return synchronize(sparse_allreduce_async([tensor], compression, name, op, prescale_factor,
+                                                  postscale_factor, process_set))[0]
+    if getattr(compression, "sparse", False):
+        compression = Compression.none  # integer and 16-bit tensors take the dense route
     compression = _dense_compression(compression, "hvd.allreduce")
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():

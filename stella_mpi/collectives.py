@@ -73,6 +73,7 @@ class Hierarchy:
         self.intra = intra
         self.deadline = deadline
         self._scratch = {}
+        self.stats = None  # WanStats, set by the runtime
 
     def scratch(self, slot, n, dtype):
         """A reusable buffer of ``n`` elements (fresh allocations of large buffers cost page
@@ -122,6 +123,13 @@ class Hierarchy:
             wire.copy_(buf)
         else:
             wire = buf
+        if self.stats is not None:
+            item = wire.element_size()
+            if nclusters == 2 or small_float:
+                moved = n * item * (nclusters - 1)
+            else:
+                moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
+            self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
         if nclusters == 2:
             # exchange with the one peer; a OP b == b OP a bit for bit, so both sides agree
             other = self.scratch("peer", n, wire.dtype)

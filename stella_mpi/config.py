@@ -38,6 +38,7 @@ class Config:
     cluster_map: str          # STELLA_CLUSTER_MAP "host=label,host=label" (stellarun --cluster-of)
     gloo_ifname: str          # interface gloo binds to ("" = pick)
     log_level: str
+    seed: int                 # seed shared by all ranks (random-k draws)
 
     @classmethod
     def from_env(cls):
@@ -60,4 +61,5 @@ class Config:
             cluster_map=_env(["STELLA_CLUSTER_MAP"], "", str),
             gloo_ifname=_env(["STELLA_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"], "", str),
             log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
+            seed=_env(["STELLA_SEED"], 0, int),
         )

@@ -17,6 +17,7 @@ import torch
 from . import api, runtime
 from .api import Average, Sum, grouped_allreduce_async_, synchronize
 from .compression.base import Compression
+from .compression.memory import Memory
 from .runtime import global_process_set
 
 
@@ -46,10 +47,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
         self._compression = compression
-        if getattr(compression, "sparse", False):
-            raise ValueError("DistributedOptimizer: %s is a sparse (WAN) compressor; the sparse cross-cluster "
-                             "route is not part of this build yet, use Compression.none, fp16 or bf16"
-                             % compression.name)
+        self._sparse = bool(getattr(compression, "sparse", False))
+        self._memory = Memory()   # error-feedback residuals of the sparse route, per bucket shard
+        self._step_count = 0
+        if self._sparse and op not in (Average, Sum):
+            raise ValueError("DistributedOptimizer: a sparse compressor sums gradients; op must be Average or Sum")
         if op not in (Average, Sum, api.Min, api.Max, api.Product):
             api._op_name(op, torch.float32)  # raises the right error (Adasum, unknown)
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -164,17 +166,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket):
         grads = [self._grad_of(p) for p in bucket.params]
-        pairs = [self._compression.compress(g) for g in grads]
-        bucket.compressed = pairs
-        tensors = [c.contiguous() for c, _ in pairs]
-        bucket.compressed = list(zip(tensors, [ctx for _, ctx in pairs]))
+        name = "DistributedOptimizer.bucket.%d.%s" % (bucket.index, self._names[bucket.params[0]])
         if self._op == Average:
             prescale, postscale = 1.0 / self._predivide, self._predivide
         else:
             prescale, postscale = 1.0, 1.0
+        if self._sparse and grads[0].dtype == torch.float32:
+            tensors = [g.contiguous() for g in grads]
+            bucket.compressed = [(t, None) for t in tensors]
+            bucket.handle = api.sparse_allreduce_async(
+                tensors, self._compression, name, self._op, prescale, postscale, self._process_set,
+                memory=self._memory, step=self._step_count, inplace=True)
+            return
+        compression = self._compression if not self._sparse else Compression.none
+        pairs = [compression.compress(g) for g in grads]
+        tensors = [c.contiguous() for c, _ in pairs]
+        bucket.compressed = list(zip(tensors, [ctx for _, ctx in pairs]))
         bucket.handle = grouped_allreduce_async_(
-            tensors, name="DistributedOptimizer.bucket.%d.%s" % (bucket.index, self._names[bucket.params[0]]),
-            op=self._op, prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set)
+            tensors, name=name, op=self._op, prescale_factor=prescale, postscale_factor=postscale,
+            process_set=self._process_set)
 
     # ---------------- Horovod's optimizer API ----------------
 
@@ -190,7 +200,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.handle is not None:
                 synchronize(bucket.handle)
                 for p, (c, ctx) in zip(bucket.params, bucket.compressed):
-                    out = self._compression.decompress(c, ctx)
+                    out = c if ctx is None else self._compression.decompress(c, ctx)
                     if out is not p.grad:
                         p.grad.copy_(out)
             bucket.handle = None
@@ -199,6 +209,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         for p in self._params:
             self._passes[p] = self.backward_passes_per_step
+        self._step_count += 1
+        runtime.current().wan_stats.end_step()
         self._synchronized = True
 
     @contextmanager

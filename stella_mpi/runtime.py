@@ -19,6 +19,8 @@ from .engine import Engine
 from .errors import NotInitializedError
 from .intra import MpiIntra, TorchIntra, gloo_usable, nccl_usable, pick_cpu_backend
 from .ops import neutral_inputs
+from .compression.memory import Memory
+from .stats import WanStats
 from .topology import Communicators, build_topology, cluster_label
 from .transport import Deadline
 
@@ -47,6 +49,7 @@ class ProcessSet:
         self.hierarchy = None
         self.deadline = None
         self.is_global = False
+        self.tamper = None  # tests only: a function applied to this rank's outgoing sparse payloads
 
     # -- built collectively by every rank of the world --
     def _build(self, world, config, label_of, is_global, intra_choice=None):
@@ -160,6 +163,10 @@ class Runtime:
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
         self.engine = Engine(self.rank, self.world, cfg, neutral_inputs)
+        self.wan_stats = WanStats()
+        self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
+        self.sparse_steps = {}
+        global_process_set.hierarchy.stats = self.wan_stats
         for ps in process_sets or []:
             self.add_process_set(ps)
         topo = global_process_set.topology
@@ -184,6 +191,8 @@ class Runtime:
         if existing:
             raise ValueError("a process set with ranks %s already exists (id %d)" % (ps.ranks, existing[0].process_set_id))
         ps._build(self.world, self.config, self.label_of, is_global=False)
+        if ps.hierarchy is not None:
+            ps.hierarchy.stats = self.wan_stats
         ps.process_set_id = max(self.process_sets) + 1
         self.process_sets[ps.process_set_id] = ps
         return ps
@@ -321,6 +330,18 @@ def is_homogeneous():
     """Every node runs the same number of ranks."""
     topo = _topo("hvd.is_homogeneous()")
     return topo.size % topo.local_size == 0 and topo.cross_size * topo.local_size == topo.size
+
+
+def stats(end_step=False):
+    """Counters of the cross-cluster traffic: the last finished step and the totals.
+
+    ``last_step`` holds wan_bytes_sent/received, seconds in select/encode/exchange/decode/merge,
+    the density used and the residual's norm relative to the gradient's. DistributedOptimizer
+    closes a step at each synchronize(); ``end_step=True`` closes one by hand."""
+    rt = current("hvd.stats()")
+    if end_step:
+        rt.wan_stats.end_step()
+    return rt.wan_stats.snapshot()
 
 
 def add_process_set(process_set):

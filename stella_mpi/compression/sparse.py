@@ -76,20 +76,24 @@ class SparseCompressor(Compressor):
     name = "sparse"
     sparse = True
 
-    def __init__(self, density=0.01, value_dtype="float32"):
+    def __init__(self, density=0.01, value_dtype="float32", error_feedback=True):
         density = float(density)
         if not (0.0 < density <= 1.0):
             raise ValueError("density must be in (0, 1], got %r" % density)
         self.density = density
+        # keep what was not sent and add it to the next step's gradient (the exchange
+        # passes a Memory to select() only when this is on)
+        self.error_feedback = bool(error_feedback)
         self.value_dtype = kernels.value_dtype_name(value_dtype)
         self._states = {}
         self._lock = threading.Lock()
 
     def __repr__(self):
-        return "%s(density=%g, value_dtype=%r)" % (type(self).__name__, self.density, self.value_dtype)
+        return "%s(density=%g, value_dtype=%r, error_feedback=%s)" % (type(self).__name__, self.density,
+                                                                     self.value_dtype, self.error_feedback)
 
     def settings(self):
-        return (self.name, self.density, self.value_dtype) + self._extra_settings()
+        return (self.name, self.density, self.value_dtype, self.error_feedback) + self._extra_settings()
 
     def _extra_settings(self):
         return ()
@@ -198,8 +202,8 @@ class ThresholdCompressor(SparseCompressor):
     only speeds the exact selection up)."""
     name = "threshold"
 
-    def __init__(self, density=0.01, value_dtype="float32", exact=False, slack=2.0):
-        super().__init__(density, value_dtype)
+    def __init__(self, density=0.01, value_dtype="float32", exact=False, slack=2.0, error_feedback=True):
+        super().__init__(density, value_dtype, error_feedback)
         self.exact = bool(exact)
         self.slack = float(slack)
         if not self.slack >= 1.0:
@@ -212,8 +216,8 @@ class ThresholdCompressor(SparseCompressor):
         t = kernels.estimate_threshold(flat, k, residual)
         if math.isnan(t):
             t = math.inf  # more than k NaNs: they all pass anyway
-        if self.exact:
-            lo = hi = k
+        if self.exact or k >= n:
+            lo = hi = k  # density 1 sends everything: a sampled threshold could miss a few
         else:
             lo, hi = 0, min(n, int(math.ceil(self.slack * k)) + 16)
         idx, val = kernels.threshold_select(flat, t, lo, hi, residual, self.state(ctx.name))

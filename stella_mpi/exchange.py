@@ -1,0 +1,156 @@
+"""The sparse cross-cluster step: per-shard selection with error feedback, MPI exchange
+among the ranks owning the same shard in every cluster, k-way merge, and the return to a
+dense shard.
+
+Route of one fused float32 buffer (clusters of equal size)::
+
+    reduce-scatter inside the cluster (dense, fast link)      -> this rank's shard (cluster sum)
+    select from shard + residual, encode                      -> payload (compact indices/values)
+    exchange payloads with the same shard's owners (MPI, WAN) -> one payload per cluster
+    decode (validated: a peer is untrusted) and merge          -> sum over clusters, ascending
+    shard = merged / size; all-gather inside the cluster      -> every rank holds the result
+
+Clusters of unequal size: reduce to the cluster leader, the leaders run the steps above on
+the whole buffer, and broadcast inside their cluster. With one cluster there is no WAN and
+no selection: the dense route runs.
+"""
+import time
+
+import numpy as np
+import torch
+
+from .compression.base import TensorContext
+from .compression.sparse import merge_selections, scatter_add
+from .errors import HorovodInternalError
+from .ops import EXECUTORS
+from .topology import split_counts
+
+
+class PeerPayloadError(HorovodInternalError):
+    """A payload from another rank failed validation: the job ends, naming the sender."""
+
+
+def _exchange_payloads(pset, comm, payload, what):
+    """Every rank of ``comm`` sends its uint8 payload to all others; returns the list of
+    payloads in ``comm`` rank order (ours included) and the bytes moved."""
+    nranks, me = comm.Get_size(), comm.Get_rank()
+    dl = pset.deadline
+    mine = np.array([payload.numel()], dtype=np.int64)
+    sizes = np.zeros(nranks, dtype=np.int64)
+    dl.wait(comm.Iallgather(mine, sizes), what + " (sizes)")
+    total = int(sizes.sum())
+    if total > (1 << 40):
+        raise PeerPayloadError("%s: peers announced %d bytes of payload; refusing" % (what, total))
+    out = torch.empty(total, dtype=torch.uint8)
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    from mpi4py import MPI
+    dl.wait(comm.Iallgatherv(payload.numpy(), [out.numpy(), sizes.tolist(), displs.tolist(), MPI.BYTE]), what)
+    pieces = [out[int(d):int(d) + int(s)] for d, s in zip(displs, sizes)]
+    sent = int(sizes[me]) * (nranks - 1) + 8 * (nranks - 1)
+    received = total - int(sizes[me]) + 8 * (nranks - 1)
+    return pieces, sent, received
+
+
+def _sender_rank(pset, comm_kind, index):
+    """World rank behind position ``index`` of the shard (or leader) communicator."""
+    topo = pset.topology
+    members = topo.cluster_members[index]
+    world = members[topo.cluster_rank] if comm_kind == "shard" else members[0]
+    return pset.ranks[world]
+
+
+def sparse_reduce(pset, buf, comp, memory, name, step, seed, comm, comm_kind, stats):
+    """Sum ``buf`` (this rank's shard of the cluster sum, float32) over the clusters on ``comm``
+    through the compressor; returns the merged Selection (not yet scaled)."""
+    ctx = TensorContext(name=name, step=step, shape=(buf.numel(),), seed=seed)
+    grad_sq = float(torch.dot(buf, buf))
+    t0 = time.perf_counter()
+    sel = comp.select(buf, ctx, memory=memory)
+    t1 = time.perf_counter()
+    res = memory.get(name) if memory is not None else None
+    stats.add_norms(float(torch.dot(res, res)) if res is not None else 0.0, grad_sq)
+    payload = comp.encode(sel, ctx)
+    if pset.tamper is not None:
+        payload = pset.tamper(payload)
+    t2 = time.perf_counter()
+    pieces, sent, received = _exchange_payloads(pset, comm, payload, "sparse exchange of %r" % name)
+    t3 = time.perf_counter()
+    me = comm.Get_rank()
+    sels = []
+    for i, piece in enumerate(pieces):
+        if i == me:
+            sels.append(sel)
+            continue
+        try:
+            sels.append(comp.decode(piece, ctx, buf.numel()))
+        except ValueError as e:
+            raise PeerPayloadError("rank %d sent a malformed payload for %r (step %d): %s"
+                                   % (_sender_rank(pset, comm_kind, i), name, step, e)) from None
+    t4 = time.perf_counter()
+    merged = merge_selections(sels)
+    t5 = time.perf_counter()
+    stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2, select_s=t1 - t0,
+              encode_s=t2 - t1, exchange_s=t3 - t2, decode_s=t4 - t3, merge_s=t5 - t4,
+              elements=buf.numel(), entries_sent=len(sel))
+    return merged
+
+
+def execute_sparse_allreduce(pset, desc, inputs, joined):
+    """inputs: (tensors, outputs, compressor, memory, stats). float32, op sum or average."""
+    tensors, outputs, comp, memory, stats = inputs
+    topo = pset.topology
+    hier = pset.hierarchy
+    sizes = [t.numel() for t in tensors]
+    n = sum(sizes)
+    direct = len(tensors) == 1 and outputs[0].is_contiguous()
+    if direct:
+        buf = outputs[0].view(-1)
+        if outputs[0] is not tensors[0]:
+            buf.copy_(tensors[0].reshape(-1))
+    else:
+        buf = torch.empty(n, dtype=torch.float32)
+        pos = 0
+        for t, k in zip(tensors, sizes):
+            buf[pos:pos + k].copy_(t.reshape(-1))
+            pos += k
+    if desc["prescale"] != 1.0:
+        buf.mul_(desc["prescale"])
+    scale = desc["postscale"] / (pset.nranks if desc["op"] == "average" else 1)
+    name, step, seed = desc["name"], desc["step"], desc["seed"]
+    mem = memory if comp.error_feedback else None
+    if topo.num_clusters == 1 or pset.nranks == 1:
+        hier.allreduce(buf, "sum")          # no WAN: nothing to compress
+        buf.mul_(scale)
+    elif topo.uniform_clusters:
+        cs = topo.cluster_size
+        counts = split_counts(n, cs)
+        shard = hier.intra.reduce_scatter(buf, counts, "sum", hier.scratch("shard", counts[topo.cluster_rank],
+                                                                          torch.float32)) if cs > 1 else buf
+        merged = sparse_reduce(pset, shard, comp, mem, "%s#shard%d" % (name, topo.cluster_rank), step, seed,
+                               pset.comms.shard, "shard", stats)
+        shard.zero_()
+        scatter_add(shard, merged, scale)
+        if cs > 1:
+            hier.intra.allgather_into(shard, counts, buf)
+    else:
+        if topo.cluster_size > 1:
+            hier.intra.reduce(buf, "sum", root=0)
+        if topo.cluster_rank == 0:
+            merged = sparse_reduce(pset, buf, comp, mem, name, step, seed, pset.comms.leaders, "leader", stats)
+            buf.zero_()
+            scatter_add(buf, merged, scale)
+        if topo.cluster_size > 1:
+            hier.intra.bcast(buf, root=0)
+    if not direct:
+        pos = 0
+        for out, k in zip(outputs, sizes):
+            out.view(-1).copy_(buf[pos:pos + k])
+            pos += k
+    return outputs
+
+
+def _not_joinable(desc):
+    raise ValueError("sparse allreduce cannot run with joined ranks")
+
+
+EXECUTORS["sparse_allreduce"] = (execute_sparse_allreduce, _not_joinable)

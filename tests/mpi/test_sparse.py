@@ -1,0 +1,161 @@
+"""The sparse cross-cluster route: against the dense result, against a reference pipeline
+each rank computes itself, the error-feedback mass balance, byte counts, and settings checks."""
+import math
+
+import pytest
+import torch
+
+import stella_mpi as hvd
+from stella_mpi import runtime
+from stella_mpi.compression import TensorContext
+from stella_mpi.compression.sparse import merge_selections
+from stella_mpi.topology import split_counts
+from reference import rank_input
+
+
+def _uniform():
+    topo = runtime.global_process_set.topology
+    return topo.uniform_clusters
+
+
+def _cluster_shard_sums(inputs, n):
+    """Per cluster, the cluster sum split into shards as the route does."""
+    topo = runtime.global_process_set.topology
+    out = []
+    for members in topo.cluster_members:
+        total = sum(inputs[r] for r in members)
+        if topo.uniform_clusters:
+            counts = split_counts(n, len(members))
+            out.append(list(torch.split(total, counts)))
+        else:
+            out.append([total])
+    return out
+
+
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk", "threshold"])
+def test_density_one_equals_dense(name):
+    n = 5000
+    x = rank_input(hvd.rank(), (n,), torch.float32, seed=31)
+    comp = getattr(hvd.Compression, name)(density=1.0)
+    got = hvd.allreduce(x, compression=comp, name="dense1.%s" % name)
+    want = hvd.allreduce(x, name="dense1.ref.%s" % name)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_topk_matches_reference_pipeline():
+    """First step (empty residual): result = sum over clusters of each cluster's top-k of its
+    shard sum, divided by the number of ranks."""
+    n, density = 4000, 0.05
+    topo = runtime.global_process_set.topology
+    inputs = [rank_input(r, (n,), torch.float32, seed=41) for r in range(hvd.size())]
+    comp = hvd.Compression.topk(density=density)
+    got = hvd.allreduce(inputs[hvd.rank()], compression=comp, name="ref.pipeline")
+    if topo.num_clusters == 1:
+        torch.testing.assert_close(got, sum(inputs) / hvd.size())
+        return
+    shards = _cluster_shard_sums(inputs, n)
+    ref_comp = hvd.Compression.topk(density=density)
+    pieces = []
+    for s in range(len(shards[0])):
+        sels = [ref_comp.select(shards[c][s].contiguous(), TensorContext("r", 0, (shards[c][s].numel(),)))
+                for c in range(topo.num_clusters)]
+        pieces.append(merge_selections(sels).to_dense())
+    want = torch.cat(pieces) / hvd.size()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (got != 0).sum() <= topo.num_clusters * sum(max(1, round(density * p.numel())) for p in pieces)
+
+
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk"])
+def test_error_feedback_conserves_the_gradient(name):
+    """Over several steps, what was delivered plus what waits in the residuals equals what was
+    fed in: nothing is lost, nothing is counted twice."""
+    topo = runtime.global_process_set.topology
+    n, steps, key = 3000, 4, "ef.%s" % name
+    comp = getattr(hvd.Compression, name)(density=0.02)
+    delivered = torch.zeros(n, dtype=torch.float64)
+    fed = torch.zeros(n, dtype=torch.float64)
+    for s in range(steps):
+        inputs = [rank_input(r, (n,), torch.float32, seed=100 * s + 7) for r in range(hvd.size())]
+        fed += sum(x.double() for x in inputs)
+        out = hvd.allreduce(inputs[hvd.rank()], compression=comp, name=key, op=hvd.Sum)
+        delivered += out.double()
+    residual = torch.zeros(n, dtype=torch.float64)
+    if topo.num_clusters > 1:
+        mem = runtime.current().sparse_memory
+        if topo.uniform_clusters:
+            counts = split_counts(n, topo.cluster_size)
+            start = sum(counts[:topo.cluster_rank])
+            r = mem.get("%s#shard%d" % (key, topo.cluster_rank))
+            residual[start:start + counts[topo.cluster_rank]] = r.double()
+        elif topo.cluster_rank == 0:
+            residual += mem.get(key).double()
+    residual = hvd.allreduce(residual, op=hvd.Sum, name=key + ".residuals")
+    torch.testing.assert_close(delivered + residual, fed, rtol=1e-4, atol=1e-3)
+    if topo.num_clusters > 1:
+        assert residual.abs().sum() > 0  # something was held back
+
+
+def test_wan_bytes_follow_the_payload_formula():
+    topo = runtime.global_process_set.topology
+    if topo.num_clusters == 1 or not topo.uniform_clusters:
+        pytest.skip("needs clusters of equal size")
+    n, density = 20_000, 0.01
+    hvd.stats(end_step=True)
+    hvd.allreduce(torch.randn(n), compression=hvd.Compression.topk(density=density), name="bytes")
+    last = hvd.stats(end_step=True)["last_step"]
+    shard = split_counts(n, topo.cluster_size)[topo.cluster_rank]
+    k = max(1, round(density * shard))
+    peers = topo.num_clusters - 1
+    index_bytes = min(4 * k, 4 * math.ceil(shard / 65536) + 2 * k)   # uint32 or 16-bit offsets
+    payload = 32 + index_bytes + 4 * k
+    assert last["wan_bytes_sent"] == peers * (payload + 8), (last, payload)
+    assert last["entries_sent"] == k and last["elements"] == shard
+    assert last["density"] == pytest.approx(k / shard)
+    assert last["select_s"] >= 0 and last["exchange_s"] > 0
+
+
+def test_dense_route_counts_wan_bytes_too():
+    topo = runtime.global_process_set.topology
+    if topo.num_clusters != 2 or not topo.uniform_clusters:
+        pytest.skip("two clusters of equal size")
+    hvd.stats(end_step=True)
+    hvd.allreduce(torch.randn(8000), name="dense.bytes")
+    last = hvd.stats(end_step=True)["last_step"]
+    assert last["wan_bytes_sent"] == 4 * split_counts(8000, topo.cluster_size)[topo.cluster_rank]
+
+
+def test_mismatched_compressor_settings_are_detected():
+    density = 0.01 if hvd.rank() == 0 else 0.02
+    if hvd.size() == 1:
+        pytest.skip("one rank")
+    with pytest.raises(hvd.TensorMismatchError, match="compressor"):
+        hvd.allreduce(torch.randn(1000), compression=hvd.Compression.topk(density=density), name="mismatch.comp")
+
+
+def test_sparse_needs_a_name_and_float32():
+    with pytest.raises(ValueError, match="name"):
+        hvd.allreduce(torch.randn(10), compression=hvd.Compression.topk(density=0.5))
+    ints = torch.arange(10)
+    assert torch.equal(hvd.allreduce(ints, compression=hvd.Compression.topk(density=0.5), op=hvd.Sum),
+                       ints * hvd.size())  # non-float tensors take the dense route
+
+
+def test_distributed_optimizer_sparse_keeps_ranks_identical():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.cacheaware(density=0.05))
+    g = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(16, 20, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0))
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
+    st = hvd.stats()
+    topo = runtime.global_process_set.topology
+    if topo.num_clusters > 1 and (topo.uniform_clusters or topo.cluster_rank == 0):  # ranks on the WAN
+        assert st["last_step"]["wan_bytes_sent"] > 0 and st["last_step"]["density"] < 0.2
