@@ -296,18 +296,16 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
         break;
     }
     case STELLA_IDX_SEG16: {
-        int64_t nseg = nseg_of(n), total = 0;
-        for (int64_t s = 0; s < nseg; s++) {
-            int64_t c = rd32(p + 4 * s), seg_len = n - s * STELLA_SEGMENT;
-            if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
-            if (c > seg_len) return STELLA_ERR_MALFORMED;
-            total += c;
-        }
-        if (total != k) return STELLA_ERR_MALFORMED;
+        /* one pass: each count is read once and bounded before any write, so the output
+         * stays inside idx[0..k) even if the buffer changes while we read it */
+        int64_t nseg = nseg_of(n);
         const uint8_t *offs = p + 4 * nseg;
         int64_t j = 0;
         for (int64_t s = 0; s < nseg; s++) {
             int64_t c = rd32(p + 4 * s), base = s * STELLA_SEGMENT, prev = -1;
+            int64_t seg_len = n - base;
+            if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
+            if (c > seg_len || c > k - j) return STELLA_ERR_MALFORMED;
             for (int64_t t = 0; t < c; t++, j++) {
                 int64_t off = rd16(offs + 2 * j);
                 if (off <= prev || base + off >= n) return STELLA_ERR_MALFORMED;
@@ -315,6 +313,7 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
                 prev = off;
             }
         }
+        if (j != k) return STELLA_ERR_MALFORMED;
         p = offs + 2 * k;
         break;
     }

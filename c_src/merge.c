@@ -105,6 +105,10 @@ int stella_scatter_add_f32(float *dense, int64_t n, const uint32_t *idx, const f
     uint32_t mx = 0;
     for (int64_t i = 0; i < k; i++) mx = idx[i] > mx ? idx[i] : mx;
     if (k > 0 && (int64_t)mx >= n) return STELLA_ERR_ARG;
-    for (int64_t i = 0; i < k; i++) dense[idx[i]] += val[i] * scale;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t j = idx[i];          /* read once and re-checked: the bound holds even if idx changes */
+        if ((int64_t)j >= n) return STELLA_ERR_ARG;
+        dense[j] += val[i] * scale;
+    }
     return STELLA_OK;
 }

@@ -713,8 +713,8 @@ static int select_units(const float *grad, float *residual, int64_t n, int unit,
     /* the starting threshold */
     int carried = 0;
     if (kmax == 0) e.T = STELLA_T_NONE;
+    else if (have_T) e.T = T_given;   /* the caller's threshold wins; a forced one waits for top-k/block */
     else if (st->forced) { e.T = (int32_t)st->forced_key; st->forced = 0; carried = 1; }
-    else if (have_T) e.T = T_given;
     else if (st->has_thr && st->mode == mode && st->n == n) { e.T = (int32_t)st->thr_key; carried = 1; }
     else e.T = sample_threshold(grad, residual, n, unit, kmin, st->sample);
     int32_t T_used = e.T;

@@ -24,23 +24,36 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--fp16", action="store_true", help="send gradients as float16")
+    parser.add_argument("--compression", default="none",
+                        help="none, fp16, bf16, or a sparse WAN compressor: topk, cacheaware, threshold, randomk")
+    parser.add_argument("--density", type=float, default=0.01, help="fraction sent across clusters (sparse)")
+    parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
     args = parser.parse_args()
 
     hvd.init()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     context = 32
     corpus = load_corpus()
-    data = ByteBatches(corpus, context, args.batch_size, seed=1 + hvd.rank())
+    data = ByteBatches(corpus, context, args.batch_size, seed=1 + hvd.rank() + 1000 * args.seed)
     model = ByteMLP(context)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.compression in ("none", "fp16", "bf16"):
+        compression = getattr(hvd.Compression, args.compression)
+    else:
+        compression = getattr(hvd.Compression, args.compression)(
+            density=args.density, error_feedback=not args.no_error_feedback)
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())
@@ -59,9 +72,12 @@ def main():
         if step % args.log_every == 0 or step == args.steps:
             avg = hvd.allreduce(loss.detach(), name="train_loss").item()
             now = time.perf_counter()
+            last = hvd.stats()["last_step"]
             if hvd.rank() == 0:
-                print("step %4d  loss %.4f  %.1f ms/step" % (step, avg, 1000 * (now - t_last) / args.log_every),
-                      flush=True)
+                density = last["density"]
+                print("step %4d  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s"
+                      % (step, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
+                         "%.4f" % density if density is not None else "-"), flush=True)
             t_last = now
     with torch.no_grad():
         val = hvd.allreduce(torch.nn.functional.cross_entropy(model(vx), vy), name="val_loss").item()
@@ -72,6 +88,14 @@ def main():
         print("done: %d steps in %.1f s; validation loss %.4f (%.2f bits/byte); parameters identical on all %d "
               "ranks: %s" % (args.steps, time.perf_counter() - t_start, val, val / 0.6931, hvd.size(), identical),
               flush=True)
+    if hvd.rank() == 0 and args.json_out:
+        import json
+        total = hvd.stats()["total"]
+        with open(args.json_out, "w") as f:
+            json.dump({"validation_loss": val, "steps": args.steps, "compression": args.compression,
+                       "density": args.density, "error_feedback": not args.no_error_feedback,
+                       "seconds": time.perf_counter() - t_start, "identical": identical,
+                       "wan_bytes_sent_per_step": total["wan_bytes_sent"] / max(1, hvd.stats()["steps"])}, f)
     if not identical:
         raise SystemExit("parameters differ between ranks")
 

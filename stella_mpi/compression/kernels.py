@@ -55,8 +55,12 @@ def _ptr(x, dtype, what, writable=False):
         want = _NP[dtype]
         if x.dtype.type not in (want if isinstance(want, tuple) else (want,)):
             raise TypeError("%s must be %s, got numpy %s" % (what, dtype, x.dtype))
+        if not x.dtype.isnative:
+            raise TypeError("%s must be in this machine's byte order, got numpy %s" % (what, x.dtype))
         if not x.flags.c_contiguous:
             raise ValueError("%s must be contiguous" % what)
+        if not x.flags.aligned:
+            raise ValueError("%s must be aligned to its element size" % what)
         if writable and not x.flags.writeable:
             raise ValueError("%s must be writable" % what)
         n = x.size

@@ -218,3 +218,23 @@ def test_merge_same_on_every_simd_level():
         finally:
             _native.force_simd(None)
     assert all(o == outs[0] for o in outs)
+
+
+def test_wrappers_refuse_foreign_byte_order_and_misaligned_arrays():
+    import numpy as np
+    from stella_mpi.compression import kernels as K
+    with pytest.raises(TypeError, match="byte order"):
+        K.topk(np.array([1, -5, 2, .5], ">f4"), 1)
+    raw = np.zeros(17, dtype=np.uint8)
+    misaligned = np.frombuffer(raw.data, dtype=np.int32, count=4, offset=1)
+    with pytest.raises(ValueError, match="aligned"):
+        K.scatter_add(np.zeros(8, np.float32), misaligned, np.ones(4, np.float32))
+
+
+def test_caller_threshold_wins_over_a_forced_one():
+    import torch
+    from stella_mpi.compression import kernels as K
+    st = K.SelState()
+    st.set_threshold(100.0)
+    idx, _ = K.threshold_select(torch.tensor([3., -2., .1, 5.]), 1.0, 0, 4, None, st)
+    assert idx.tolist() == [0, 1, 3]
