@@ -30,10 +30,13 @@ _counter_lock = threading.Lock()
 _post = {}  # handle -> function turning the engine's result into what synchronize returns
 
 
-def _auto_name(prefix):
+def _auto_name(prefix, process_set=None):
+    """Horovod-style name for an unnamed op. Counted per process set, so that ranks outside a
+    set (which never submit its ops) keep the same count as the members for the others."""
+    set_id = getattr(process_set, "process_set_id", 0) or 0
     with _counter_lock:
-        n = _counters.setdefault(prefix, itertools.count())
-        return "%s.noname.%d" % (prefix, next(n))
+        n = _counters.setdefault((prefix, set_id), itertools.count())
+        return "%s.noname.%d" % (prefix, next(n)) if not set_id else "%s.set%d.noname.%d" % (prefix, set_id, next(n))
 
 
 def _engine(what):
@@ -136,7 +139,7 @@ def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, proce
     opname = _op_name(op, dtype)
     if not dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0) and dtype == torch.bool:
         raise TypeError("%s: prescale/postscale factors do not apply to bool tensors" % what)
-    name = name or _auto_name(prefix)
+    name = name or _auto_name(prefix, pset)
     desc = {"kind": "allreduce", "name": name, "dtype": dtype_name(dtype),
             "shapes": [list(t.shape) for t in tensors], "op": opname,
             "prescale": float(prescale), "postscale": float(postscale), "wire": wire}
@@ -336,7 +339,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     _check_tensor(tensor, what)
     if tensor.dim() == 0:
         raise ValueError("%s: cannot allgather a rank-zero (scalar) tensor; reshape it to 1-D" % what)
-    name = name or _auto_name("allgather")
+    name = name or _auto_name("allgather", pset)
     desc = {"kind": "allgather", "name": name, "dtype": dtype_name(tensor.dtype), "trailing": list(tensor.shape[1:])}
     device = tensor.device
 
@@ -372,7 +375,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    base = name or _auto_name("grouped_allgather")
+    base = name or _auto_name("grouped_allgather", process_set)
     return [allgather(t, "%s_%dof%d" % (base, i + 1, len(tensors)), process_set) for i, t in enumerate(tensors)]
 
 
@@ -387,7 +390,7 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     if not isinstance(root_rank, int) or root_rank not in pset.ranks:
         raise ValueError("%s: root_rank %r is not a rank of the process set (ranks %s, world size %s)"
                          % (what, root_rank, pset.ranks, rt_size))
-    name = name or _auto_name("broadcast")
+    name = name or _auto_name("broadcast", pset)
     desc = {"kind": "broadcast", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
             "root": root_rank}
     host = _host(tensor)
@@ -468,7 +471,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             raise ValueError("alltoall splits must be non-negative, got %s" % split_list)
         if sum(split_list) > tensor.shape[0]:
             raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
-    name = name or _auto_name("alltoall")
+    name = name or _auto_name("alltoall", pset)
     desc = {"kind": "alltoall", "name": name, "dtype": dtype_name(tensor.dtype), "trailing": list(tensor.shape[1:]),
             "size": n}
     device = tensor.device
@@ -522,7 +525,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError("%s: cannot reducescatter a rank-zero (scalar) tensor" % what)
     opname = _op_name(op, tensor.dtype)
-    name = name or _auto_name("reducescatter")
+    name = name or _auto_name("reducescatter", pset)
     desc = {"kind": "reducescatter", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
             "op": opname, "prescale": float(prescale_factor), "postscale": float(postscale_factor), "wire": None}
     device = tensor.device
@@ -561,7 +564,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    base = name or _auto_name("grouped_reducescatter")
+    base = name or _auto_name("grouped_reducescatter", process_set)
     return [reducescatter(t, "%s_%dof%d" % (base, i + 1, len(tensors)), compression, op, process_set,
                           prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
 
@@ -572,7 +575,8 @@ def barrier(process_set=global_process_set):
     """Wait until every rank of the process set has reached the barrier."""
     _engine("hvd.barrier")
     pset = _pset(process_set, "hvd.barrier")
-    synchronize(_submit("barrier", _auto_name("barrier"), {"kind": "barrier", "name": "barrier"}, (), pset, None))
+    synchronize(_submit("barrier", _auto_name("barrier", pset), {"kind": "barrier", "name": "barrier"}, (), pset,
+                        None))
 
 
 def join(device=-1):

@@ -49,3 +49,12 @@ def test_stalled_rank_hits_the_deadline():
     assert elapsed < 40, elapsed
     assert "did not complete within 3 s" in out, out[-3000:]
     assert "ending the job on every rank" in out
+
+
+def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
+    proc, elapsed = _launch("corrupt")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "rank 1 sent a malformed payload for 'sparse.grad#shard1'" in out, out[-3000:]
+    assert "finished without noticing" not in out

@@ -8,14 +8,19 @@ from mpi_launch import run_mpi, run_mpmd
 pytestmark = pytest.mark.mpi
 
 PYTEST = ["-m", "pytest", "-q", "-s", "-x", "-p", "no:cacheprovider", "tests/mpi"]
+DENSE = PYTEST[:-1] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
+SPARSE = PYTEST[:-1] + ["tests/mpi/test_sparse.py"]
 
+# (name, ranks, environment, suites): the dense suites run on every layout, the sparse
+# route on the layouts where it differs (two clusters, uneven, three clusters)
 LAYOUTS = [
-    ("np2-one-cluster", 2, {}),
-    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}),
-    ("np3-one-cluster", 3, {}),
-    ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2"}),
-    ("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}),
-    ("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}),
+    ("np2-one-cluster", 2, {}, PYTEST),
+    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, PYTEST),
+    ("np3-one-cluster", 3, {}, DENSE),
+    ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2"}, PYTEST),
+    ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
+    ("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST),
+    ("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
 ]
 
 
@@ -25,17 +30,17 @@ def _check(proc, what):
     assert " passed" in proc.stdout, tail
 
 
-@pytest.mark.parametrize("name,np_,env", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_suites_on_layout(name, np_, env):
-    _check(run_mpi(np_, PYTEST, env=env, timeout=400), name)
+@pytest.mark.parametrize("name,np_,env,suites", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_suites_on_layout(name, np_, env, suites):
+    _check(run_mpi(np_, suites, env=env, timeout=400), name)
 
 
 def test_suites_with_interleaved_cluster_labels():
     """STELLA_CLUSTER labels a,b,a,b: clusters are not blocks of consecutive ranks."""
-    parts = [(1, {"STELLA_CLUSTER": lab}, PYTEST) for lab in ("a", "b", "a", "b")]
+    parts = [(1, {"STELLA_CLUSTER": lab}, PYTEST) for lab in ("a", "b", "a", "b")]  # dense and sparse
     _check(run_mpmd(parts, timeout=400), "labels a,b,a,b")
 
 
 def test_suites_with_uneven_labels():
-    parts = [(3, {"STELLA_CLUSTER": "site-a"}, PYTEST), (1, {"STELLA_CLUSTER": "site-b"}, PYTEST)]
+    parts = [(3, {"STELLA_CLUSTER": "site-a"}, DENSE), (1, {"STELLA_CLUSTER": "site-b"}, DENSE)]
     _check(run_mpmd(parts, timeout=400), "labels 3+1")

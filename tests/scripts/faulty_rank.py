@@ -10,6 +10,20 @@ import stella_mpi as hvd
 hvd.init()
 mode = sys.argv[1]
 hvd.allreduce(torch.ones(4), name="warmup")
+if mode == "corrupt":
+    from stella_mpi import runtime
+
+    def flip_index_bytes(payload):
+        bad = payload.clone()
+        bad[32:40] = 255          # the first indices now point far outside the tensor
+        return bad
+    if hvd.rank() == 1:
+        runtime.global_process_set.tamper = flip_index_bytes
+    comp = hvd.Compression.topk(density=0.05)
+    for step in range(5):
+        hvd.allreduce(torch.randn(10000), compression=comp, name="sparse.grad")
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
 if hvd.rank() == 1:
     if mode == "raise":
         raise RuntimeError("boom on purpose")
