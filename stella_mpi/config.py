@@ -27,6 +27,13 @@ def _bool(v):
     raise ValueError(v)
 
 
+def _sparse_algorithm():
+    v = _env(["STELLA_SPARSE_ALGO"], "auto", str).lower()
+    if v not in ("auto", "allgather", "tree"):
+        raise ValueError("STELLA_SPARSE_ALGO must be auto, allgather or tree, not %r" % v)
+    return v
+
+
 @dataclass(frozen=True)
 class Config:
     timeout_s: float          # deadline of every wait on a peer
@@ -39,6 +46,7 @@ class Config:
     gloo_ifname: str          # interface gloo binds to ("" = pick)
     log_level: str
     seed: int                 # seed shared by all ranks (random-k draws)
+    sparse_algorithm: str     # "auto" | "allgather" | "tree": summing selections across clusters
 
     @classmethod
     def from_env(cls):
@@ -62,4 +70,5 @@ class Config:
             gloo_ifname=_env(["STELLA_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"], "", str),
             log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
             seed=_env(["STELLA_SEED"], 0, int),
+            sparse_algorithm=_sparse_algorithm(),
         )

@@ -50,6 +50,7 @@ class ProcessSet:
         self.deadline = None
         self.is_global = False
         self.tamper = None  # tests only: a function applied to this rank's outgoing sparse payloads
+        self.sparse_algorithm = "auto"  # cross-cluster sum of selections: auto, allgather or tree
 
     # -- built collectively by every rank of the world --
     def _build(self, world, config, label_of, is_global, intra_choice=None):
@@ -160,6 +161,7 @@ class Runtime:
         self.label_of = label_of
         global_process_set.ranks = list(range(self.size))
         global_process_set._build(self.world, cfg, label_of, is_global=True)
+        global_process_set.sparse_algorithm = cfg.sparse_algorithm
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
         self.engine = Engine(self.rank, self.world, cfg, neutral_inputs)

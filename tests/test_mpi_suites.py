@@ -19,6 +19,7 @@ LAYOUTS = [
     ("np3-one-cluster", 3, {}, DENSE),
     ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2"}, PYTEST),
     ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
+    ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
     ("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST),
     ("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
 ]
