@@ -30,6 +30,7 @@ def main():
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
     args = parser.parse_args()
 
@@ -39,7 +40,7 @@ def main():
     context = 32
     corpus = load_corpus()
     data = ByteBatches(corpus, context, args.batch_size, seed=1 + hvd.rank() + 1000 * args.seed)
-    model = ByteMLP(context)
+    model = ByteMLP(context, hidden=args.hidden)
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
     else:
@@ -92,7 +93,8 @@ def main():
         import json
         total = hvd.stats()["total"]
         with open(args.json_out, "w") as f:
-            json.dump({"validation_loss": val, "steps": args.steps, "compression": args.compression,
+            json.dump({"validation_loss": val, "ms_per_step": 1000 * (time.perf_counter() - t_start) / args.steps,
+                       "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps, "compression": args.compression,
                        "density": args.density, "error_feedback": not args.no_error_feedback,
                        "seconds": time.perf_counter() - t_start, "identical": identical,
                        "wan_bytes_sent_per_step": total["wan_bytes_sent"] / max(1, hvd.stats()["steps"])}, f)

@@ -16,6 +16,8 @@ clusters MPI does, on the communicators of ``topology.Communicators``:
 * allgather and broadcast go leader to leader across clusters; alltoall is
   point to point by nature and goes straight over the world communicator.
 """
+import time
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -23,7 +25,7 @@ from mpi4py import MPI
 from . import _native
 from .intra import MPI_OPS, displacements
 from .topology import split_counts
-from .transport import byte_view, mpi_view
+from .transport import byte_view, mpi_view, wan_pace
 
 _C_OPS = {"sum": _native.lib.STELLA_OP_SUM, "min": _native.lib.STELLA_OP_MIN,
           "max": _native.lib.STELLA_OP_MAX, "product": _native.lib.STELLA_OP_PROD}
@@ -123,13 +125,14 @@ class Hierarchy:
             wire.copy_(buf)
         else:
             wire = buf
+        item = wire.element_size()
+        if nclusters == 2 or small_float:
+            moved = n * item * (nclusters - 1)
+        else:
+            moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
         if self.stats is not None:
-            item = wire.element_size()
-            if nclusters == 2 or small_float:
-                moved = n * item * (nclusters - 1)
-            else:
-                moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
             self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
+        started = time.monotonic()
         if nclusters == 2:
             # exchange with the one peer; a OP b == b OP a bit for bit, so both sides agree
             other = self.scratch("peer", n, wire.dtype)
@@ -149,6 +152,7 @@ class Hierarchy:
         else:
             self.deadline.wait(comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI_OPS[op]),
                                "cross-cluster allreduce")
+        wan_pace(moved, started)
 
     # ---------------- allgather ----------------
 

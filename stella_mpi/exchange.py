@@ -24,6 +24,7 @@ from .compression.sparse import merge_selections, scatter_add
 from .errors import HorovodInternalError
 from .ops import EXECUTORS
 from .topology import split_counts
+from .transport import wan_pace
 
 
 class PeerPayloadError(HorovodInternalError):
@@ -35,6 +36,7 @@ def _exchange_payloads(pset, comm, payload, what):
     payloads in ``comm`` rank order (ours included) and the bytes moved."""
     nranks, me = comm.Get_size(), comm.Get_rank()
     dl = pset.deadline
+    started = time.monotonic()
     mine = np.array([payload.numel()], dtype=np.int64)
     sizes = np.zeros(nranks, dtype=np.int64)
     dl.wait(comm.Iallgather(mine, sizes), what + " (sizes)")
@@ -48,12 +50,14 @@ def _exchange_payloads(pset, comm, payload, what):
     pieces = [out[int(d):int(d) + int(s)] for d, s in zip(displs, sizes)]
     sent = int(sizes[me]) * (nranks - 1) + 8 * (nranks - 1)
     received = total - int(sizes[me]) + 8 * (nranks - 1)
+    wan_pace(max(sent, received), started)
     return pieces, sent, received
 
 
 def _swap_payload(pset, comm, partner, payload, what):
     """Exchange one payload with one partner (sizes first); returns (theirs, bytes moved)."""
     dl = pset.deadline
+    started = time.monotonic()
     mine = np.array([payload.numel()], dtype=np.int64)
     size = np.zeros(1, dtype=np.int64)
     dl.wait_all([comm.Isend(mine, dest=partner, tag=91), comm.Irecv(size, source=partner, tag=91)], what + " (size)")
@@ -62,6 +66,7 @@ def _swap_payload(pset, comm, partner, payload, what):
     theirs = torch.empty(int(size[0]), dtype=torch.uint8)
     dl.wait_all([comm.Isend(payload.numpy(), dest=partner, tag=92),
                  comm.Irecv(theirs.numpy(), source=partner, tag=92)], what)
+    wan_pace(max(payload.numel(), theirs.numel()) + 8, started)
     return theirs, payload.numel() + 8, theirs.numel() + 8
 
 

@@ -3,6 +3,15 @@
     stellarun -np 4 --clusters 2 python train.py      # one host, 2 clusters of 2 ranks
     stellarun -np 8 -f hosts python train.py            # several hosts: one cluster per host
     stellarun -np 8 -f hosts --cluster-of nodeA=lab --cluster-of nodeB=lab python train.py
+    stellarun -np 4 --clusters 2 --wan 100mbit python train.py          # emulated WAN, one host
+    stellarun -np 4 --clusters 2 --wan 500mbit --wan-schedule "60:100mbit,120:500mbit" python train.py
+
+With --wan, each cluster's ranks run in their own network namespace and cross-cluster
+traffic crosses veth links shaped with tc (root needed); MPICH is told to use TCP for all
+traffic (MPIR_CVAR_NOLOCAL=1, ofi/tcp) and gloo to bind the namespace's interface. Without
+the rights for that, cross-cluster sends are paced in user space at the same rate instead
+(stella_mpi's own traffic only). stellarun says which mode it used and removes every
+namespace, link and qdisc it made on every exit path.
 
 Everything after the options is the command; mpirun options stellarun does not know can be
 given after ``--mpi-args``. stellarun only prepares the environment and runs mpirun: the
@@ -22,6 +31,95 @@ def find_mpirun():
     if not found:
         raise SystemExit("stellarun: no mpirun found; install the MPI wheel (pip install mpich) or a system MPI")
     return found
+
+
+def cluster_sizes(np_, nclusters):
+    q, r = divmod(np_, nclusters)
+    return [q + (1 if i < r else 0) for i in range(nclusters)]
+
+
+WAN_MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+               "FI_TCP_IFACE": "wan0", "GLOO_SOCKET_IFNAME": "wan0"}
+
+
+def build_wan_command(args, emu):
+    """MPMD mpirun command: cluster c's ranks start inside namespace c."""
+    from .wan import parse_rate
+    np_ = args.np
+    clusters = args.clusters or 2
+    cmd = [args.mpirun or find_mpirun()]
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(parse_rate(args.wan)))}
+    if args.timeout:
+        env["STELLA_TIMEOUT"] = str(args.timeout)
+    if emu is not None:
+        env.update(WAN_MPI_ENV)
+        env["STELLA_WAN_MODE"] = "namespaces"
+        env["STELLA_WAN_MASTER_ADDR"] = emu.address(0)
+    else:
+        env["STELLA_WAN_MODE"] = "paced"
+        # a cluster's ranks share its link: each paces at its share
+        env["STELLA_WAN_PACE_BPS"] = str(int(parse_rate(args.wan) / max(cluster_sizes(np_, clusters))))
+    for k, v in sorted(env.items()):
+        cmd += ["-genv", k, v]
+    cmd += list(args.mpi_args or [])
+    for c, n in enumerate(cluster_sizes(np_, clusters)):
+        if c:
+            cmd.append(":")
+        cmd += ["-n", str(n), "-env", "STELLA_CLUSTER", "wan%d" % c]
+        if emu is not None:
+            cmd += ["-env", "STELLA_WAN_ADDR", emu.address(c)] + emu.exec_prefix(c)
+        cmd += list(args.command)
+    return cmd
+
+
+def run_with_wan(args):
+    """Set up the emulated WAN, run mpirun under it, and always tear it down."""
+    import signal
+    import subprocess
+    from .wan import WanEmulation, namespaces_available, parse_rate, parse_schedule
+    if not args.np:
+        raise SystemExit("stellarun: give the number of ranks with -np N")
+    clusters = args.clusters or 2
+    if clusters < 2 or clusters > args.np:
+        raise SystemExit("stellarun: --wan needs 2 or more clusters and at most one per rank")
+    if not args.command:
+        raise SystemExit("stellarun: no command to run")
+    rate = parse_rate(args.wan)
+    schedule = parse_schedule(args.wan_schedule) if args.wan_schedule else []
+    ok, why = namespaces_available()
+    emu = None
+    if ok:
+        emu = WanEmulation(clusters, rate, schedule)
+    elif schedule:
+        raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
+    cmd = build_wan_command(args, emu)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    if emu is not None:
+        emu.setup()
+        print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links (tc tbf)"
+              % (clusters, rate / 1e6), flush=True)
+    else:
+        print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s "
+              "(network namespaces unavailable: %s)" % (rate / 1e6, why), flush=True)
+    proc = None
+
+    def forward(signum, frame):
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc = subprocess.Popen(cmd)
+        return proc.wait()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if emu is not None:
+            emu.close()
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def build_command(args):
@@ -66,6 +164,8 @@ def parse(argv):
     p.add_argument("--timeout", type=float, help="seconds any wait on a peer may take (STELLA_TIMEOUT)")
     p.add_argument("--mpirun", help="the mpirun to use (default: the one of this Python environment)")
     p.add_argument("--mpi-args", nargs=argparse.ONE_OR_MORE, help="extra arguments passed to mpirun as they are")
+    p.add_argument("--wan", metavar="RATE", help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
+    p.add_argument("--wan-schedule", metavar="T:RATE,...", help="change the WAN rate at these seconds")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p.parse_args(argv)
@@ -73,6 +173,10 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.wan:
+        return run_with_wan(args)
+    if args.wan_schedule:
+        raise SystemExit("stellarun: --wan-schedule needs --wan RATE")
     cmd = build_command(args)
     if args.dry_run:
         print(" ".join(cmd))

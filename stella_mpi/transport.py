@@ -130,3 +130,20 @@ def allreduce_max(comm, values, deadline, what):
     out = np.empty_like(arr)
     deadline.wait(comm.Iallreduce(arr, out, op=MPI.MAX), what)
     return out.tolist()
+
+
+_PACE_BPS = None
+
+
+def wan_pace(nbytes, started):
+    """User-space WAN emulation (``stellarun --wan`` without network namespaces): stretch a
+    cross-cluster exchange of ``nbytes`` that began at ``started`` (time.monotonic()) to the
+    time it would take at ``STELLA_WAN_PACE_BPS`` bits per second."""
+    global _PACE_BPS
+    if _PACE_BPS is None:
+        _PACE_BPS = float(os.environ.get("STELLA_WAN_PACE_BPS", "0") or 0)
+    if _PACE_BPS <= 0 or nbytes <= 0:
+        return
+    left = nbytes * 8 / _PACE_BPS - (time.monotonic() - started)
+    if left > 0:
+        time.sleep(left)
