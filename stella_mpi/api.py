@@ -98,6 +98,20 @@ def _host(t):
     return t.contiguous()
 
 
+def _staged(outputs, hosts):
+    """Host buffers the engine writes into (the outputs themselves when they are contiguous CPU
+    tensors), and the function that copies them back into ``outputs`` when the op is done."""
+    host_outs = [o if (o.device.type == "cpu" and o.is_contiguous()) else torch.empty_like(h)
+                 for o, h in zip(outputs, hosts)]
+
+    def post(result):
+        for o, h in zip(outputs, host_outs):
+            if o is not h:
+                o.copy_(h)
+        return outputs
+    return host_outs, post
+
+
 def _submit(kind, name, desc, inputs, pset, post):
     eng = _engine("hvd.%s" % kind)
     hid = eng.submit(Op(kind, name, desc, inputs, EXECUTORS[kind][0], pset))
@@ -145,14 +159,7 @@ def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, proce
             "prescale": float(prescale), "postscale": float(postscale), "wire": wire}
     hosts = [_host(t) for t in tensors]
     outputs = outputs_from(tensors, hosts)
-    host_outs = [o if (o.device.type == "cpu" and o.is_contiguous()) else torch.empty_like(h)
-                 for o, h in zip(outputs, hosts)]
-
-    def post(result):
-        for o, h in zip(outputs, host_outs):
-            if o is not h:
-                o.copy_(h)
-        return outputs
+    host_outs, post = _staged(outputs, hosts)
 
     return _submit("allreduce", name, desc, (hosts, host_outs), pset, post)
 
@@ -237,14 +244,7 @@ def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_fact
             "seed": rt.config.seed}
     hosts = [_host(t) for t in tensors]
     outputs = list(tensors) if inplace else [torch.empty_like(t) for t in tensors]
-    host_outs = [o if (o.device.type == "cpu" and o.is_contiguous()) else torch.empty_like(h)
-                 for o, h in zip(outputs, hosts)]
-
-    def post(result):
-        for o, h in zip(outputs, host_outs):
-            if o is not h:
-                o.copy_(h)
-        return outputs
+    host_outs, post = _staged(outputs, hosts)
 
     mem = rt.sparse_memory if memory is None else memory
     return _submit("sparse_allreduce", name, desc, (hosts, host_outs, compression, mem, rt.wan_stats), pset, post)

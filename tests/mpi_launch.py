@@ -14,6 +14,17 @@ def mpirun_path():
     return here if os.path.exists(here) else shutil.which("mpirun")
 
 
+def _job_env(extra):
+    """The environment of a launched job: no inherited cluster layout, one BLAS thread per
+    rank, a deadline, and the flag that lets the per-rank suites be collected."""
+    env = dict(os.environ)
+    env.pop("STELLA_CLUSTER", None)
+    env.pop("STELLA_CLUSTERS", None)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "STELLA_TIMEOUT": "60", "STELLA_MPI_SUITE": "1"})
+    env.update(extra or {})
+    return env
+
+
 def run_mpi(np_, args, env=None, timeout=240, cwd=ROOT):
     """Run ``python -m mpi4py ARGS`` on ``np_`` ranks; returns the CompletedProcess.
 
@@ -22,12 +33,7 @@ def run_mpi(np_, args, env=None, timeout=240, cwd=ROOT):
     launcher = mpirun_path()
     if launcher is None:
         pytest.skip("no mpirun found (pip install mpich)")
-    full_env = dict(os.environ)
-    full_env.pop("STELLA_CLUSTER", None)
-    full_env.pop("STELLA_CLUSTERS", None)
-    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "STELLA_TIMEOUT": "60",
-                     "STELLA_MPI_SUITE": "1"})
-    full_env.update(env or {})
+    full_env = _job_env(env)
     cmd = [launcher, "-np", str(np_), sys.executable, "-m", "mpi4py"] + list(args)
     try:
         return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -52,10 +58,5 @@ def run_mpmd(parts, timeout=240, env=None):
         for k, v in penv.items():
             cmd += ["-env", k, v]
         cmd += [sys.executable, "-m", "mpi4py"] + list(args)
-    full_env = dict(os.environ)
-    full_env.pop("STELLA_CLUSTER", None)
-    full_env.pop("STELLA_CLUSTERS", None)
-    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "STELLA_TIMEOUT": "60",
-                     "STELLA_MPI_SUITE": "1"})
-    full_env.update(env or {})
+    full_env = _job_env(env)
     return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
