@@ -259,11 +259,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+                         sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
+                         cpu_semantics="exact", model=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
-    ``type(optimizer)`` built from its param groups (its state starts empty)."""
+    ``type(optimizer)`` built from its param groups (its state starts empty).
+
+    ``engine="cpu"`` (stella_mpi's CPU engine, see cpu_engine.py) applies SGD/Adam/AdamW in C on
+    a pinned worker pool to a float32 master copy of each rank's shard, with ``staleness`` 0
+    (synchronous) or 1 (the update of step t runs while step t+1 computes; pass ``model=`` so
+    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy"."""
     runtime.current("hvd.DistributedOptimizer")
+    if engine not in (None, "cpu"):
+        raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
+    if engine == "cpu":
+        if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
+            raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
+                             "backward_passes_per_step=1, gradient_predivide_factor=1.0")
+        from .cpu_engine import make_cpu_engine_optimizer
+        return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
+                                         process_set, model)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:

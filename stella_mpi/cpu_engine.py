@@ -1,0 +1,326 @@
+"""The CPU engine: ``DistributedOptimizer(opt, ..., engine="cpu", staleness=1)``.
+
+The user's SGD/Adam/AdamW is replaced by the C sparse optimizer (stella_mpi.sparse_optim)
+running on a pool of worker threads pinned to their own cores (stella_mpi.cpu_pool). Each
+rank keeps a float32 master copy of its shard of every bucket. For one bucket and step t,
+on the engine thread, while the training thread goes on::
+
+    gradient (copied at hook time) -> reduce-scatter inside the cluster -> this rank's shard
+    -> [more than one cluster] sparse selection with error feedback, WAN exchange, merge
+    -> sparse optimizer step on the master shard (worker pool)
+    -> all-gather of the updated shards inside the cluster -> staging buffer of step t
+
+The training thread copies a staged update into the model's parameters itself, in a
+forward pre-hook of the module that owns them, so a forward never sees a half-applied
+update. Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
+s = 1 the update of step t runs while step t+1 computes; with s = 0 ``step()`` waits.
+Exactly the required update is applied (not a newer one that happens to be ready), so
+every rank computes with the same parameters.
+"""
+import logging
+
+import torch
+
+from . import api, runtime
+from .compression.memory import Memory
+from .compression.sparse import Selection
+from .engine import Op
+from .errors import HorovodInternalError
+from .exchange import sparse_reduce
+from .ops import EXECUTORS
+from .topology import split_counts
+
+log = logging.getLogger("stella_mpi")
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def _sparse_optimizer_for(optimizer, group, master, mode):
+    from .sparse_optim import SparseAdam, SparseAdamW, SparseSGD
+    if type(optimizer) is torch.optim.SGD:
+        return SparseSGD([master], lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                         weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                         maximize=group.get("maximize", False), mode=mode)
+    cls = SparseAdamW if type(optimizer) is torch.optim.AdamW else SparseAdam
+    return cls([master], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+               amsgrad=group["amsgrad"], maximize=group.get("maximize", False), mode=mode)
+
+
+class _Bucket:
+    def __init__(self, index, params, group_index):
+        self.index = index
+        self.params = params
+        self.group_index = group_index
+        self.numel = sum(p.numel() for p in params)
+        self.shapes = [(tuple(p.shape), p.device, p.dtype) for p in params]
+        self.pending = set(params)
+        self.handles = {}       # step -> engine handle of that step's update
+        self.applied = -1       # last step whose update is in the model's parameters
+        self.master = None      # this rank's shard, float32 (created at the first launch)
+        self.sopt = None
+        self.staged = [None, None]
+        self.counts = None
+
+    def name(self, names):
+        return "cpu_engine.bucket.%d.%s" % (self.index, names[self.params[0]])
+
+
+def execute_cpu_update(pset, desc, inputs, joined):
+    """Engine thread: reduce, (select/exchange/merge), optimizer step, all-gather (module docstring)."""
+    grad, bucket, comp, memory, stats, pool, lr, catch_up = inputs
+    topo, hier = pset.topology, pset.hierarchy
+    step, size = desc["step"], pset.nranks
+    cs = topo.cluster_size
+    counts = bucket.counts
+    shard = hier.intra.reduce_scatter(grad, counts, "sum", hier.scratch("shard", counts[topo.cluster_rank],
+                                                                      torch.float32)) if cs > 1 else grad
+    if topo.num_clusters > 1 and comp is not None:
+        merged = sparse_reduce(pset, shard, comp, memory if comp.error_feedback else None,
+                               "%s#shard%d" % (desc["name"], topo.cluster_rank), step, desc["seed"],
+                               pset.comms.shard, "shard", stats)
+        idx, val = merged.indices, merged.values.mul_(1.0 / size)
+    else:
+        if topo.num_clusters > 1:
+            hier._cross_reduce(shard, "sum", pset.comms.shard, None)
+        idx = torch.arange(shard.numel(), dtype=torch.int32)
+        val = shard.mul(1.0 / size)
+    if bucket.sopt.hparams["lr"] != lr:
+        bucket.sopt.set_hparams(lr=lr)
+    bucket.sopt.step([(idx, val)] if idx.numel() else [None], pool=pool, catch_up=catch_up,
+                     timeout_ms=int(1000 * pset.deadline.timeout_s))
+    staged = bucket.staged[step % 2]
+    if cs > 1:
+        hier.intra.allgather_into(bucket.master, counts, staged)
+    else:
+        staged.copy_(bucket.master)
+    return step
+
+
+EXECUTORS["cpu_update"] = (execute_cpu_update, None)
+
+
+class _CpuEngineOptimizer(torch.optim.Optimizer):
+    """Methods of the optimizer DistributedOptimizer returns with engine="cpu"."""
+
+    def __init__(self, params, named_parameters, compression, staleness, semantics, process_set, base):
+        super(self.__class__, self).__init__(params)
+        if staleness not in (0, 1):
+            raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
+        if semantics not in ("exact", "lazy"):
+            raise ValueError("cpu_semantics must be 'exact' or 'lazy', not %r" % (semantics,))
+        topo = process_set.topology
+        if topo is not None and not topo.uniform_clusters:
+            raise ValueError("engine='cpu' needs clusters of equal size (shards line up across clusters); "
+                             "these clusters have %s ranks" % [len(m) for m in topo.cluster_members])
+        self._base = base
+        self._compression = compression if getattr(compression, "sparse", False) else None
+        self._staleness = staleness
+        self._semantics = semantics
+        self._process_set = process_set
+        self._memory = Memory()
+        self._steps = 0
+        names = {p: n for n, p in named_parameters} if named_parameters is not None else {}
+        self._names = {}
+        buckets = []
+        cap = runtime.current().config.fusion_threshold
+        for gi, group in enumerate(self.param_groups):
+            cur, size = [], 0
+            for j, p in enumerate(reversed([q for q in group["params"] if q.requires_grad])):
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise ValueError("engine='cpu' keeps float32 CPU master weights; parameter %r is %s on %s"
+                                     % (names.get(p, j), p.dtype, p.device))
+                self._names[p] = names.get(p, "param.%d.%d" % (gi, j))
+                if cur and size + p.numel() * 4 > cap:
+                    buckets.append((cur, gi))
+                    cur, size = [], 0
+                cur.append(p)
+                size += p.numel() * 4
+            if cur:
+                buckets.append((cur, gi))
+        self._buckets = [_Bucket(i, ps, gi) for i, (ps, gi) in enumerate(buckets)]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._next_launch = 0
+        from .cpu_pool import CpuPool
+        self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
+        log.debug("rank %d: CPU engine workers pinned to cores %s", runtime.rank(), list(self._pool.cores))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._module_hooks = []
+
+    # -------- model hooks
+
+    def attach(self, model):
+        """Apply updates in forward pre-hooks of ``model``'s modules (called by DistributedOptimizer
+        when the model is known; otherwise updates are applied in step())."""
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self._bucket_of]
+            if own:
+                buckets = sorted({self._bucket_of[p].index for p in own})
+                self._module_hooks.append(module.register_forward_pre_hook(
+                    lambda mod, args, b=buckets: self._ensure_buckets(b)))
+        return self
+
+    def _required(self):
+        return self._steps - 1 - self._staleness
+
+    def _ensure_buckets(self, indices):
+        need = self._required()
+        for i in indices:
+            self._apply_through(self._buckets[i], need)
+
+    def _apply_through(self, bucket, step):
+        """Copy the staged updates of ``bucket`` up to ``step`` into the parameters, in order."""
+        while bucket.applied < step:
+            s = bucket.applied + 1
+            handle = bucket.handles.pop(s, None)
+            if handle is None:
+                raise HorovodInternalError("CPU engine: the update of step %d for bucket %d was never launched"
+                                           % (s, bucket.index))
+            api.synchronize(handle)
+            staged = bucket.staged[s % 2]
+            off = 0
+            with torch.no_grad():
+                for p in bucket.params:
+                    n = p.numel()
+                    p.view(-1).copy_(staged[off:off + n])
+                    off += n
+            bucket.applied = s
+
+    # -------- launching
+
+    def _on_grad_ready(self, p):
+        bucket = self._bucket_of[p]
+        bucket.pending.discard(p)
+        self._launch_ready()
+
+    def _launch_ready(self, force=False):
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.pending and not force:
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _init_bucket(self, bucket):
+        topo = self._process_set.topology
+        bucket.counts = split_counts(bucket.numel, topo.cluster_size)
+        start = sum(bucket.counts[:topo.cluster_rank])
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        bucket.master = flat[start:start + bucket.counts[topo.cluster_rank]].clone()
+        group = self.param_groups[bucket.group_index]
+        bucket.sopt = _sparse_optimizer_for(self._user_optimizer, group, bucket.master, self._semantics)
+        bucket.staged = [torch.empty(bucket.numel), torch.empty(bucket.numel)]
+
+    def _launch(self, bucket):
+        step = self._steps
+        for p, (shape, device, dtype) in zip(bucket.params, bucket.shapes):
+            if tuple(p.shape) != shape or p.device != device or p.dtype != dtype:
+                raise ValueError("parameter %r changed from %s %s on %s to %s %s on %s after DistributedOptimizer "
+                                 "wrapped it" % (self._names[p], dtype, list(shape), device, p.dtype,
+                                                 list(p.shape), p.device))
+        # the staging slot of step-2 is reused now: its update must be in the model already
+        self._apply_through(bucket, step - 2)
+        if bucket.master is None:
+            self._init_bucket(bucket)
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                          for p in bucket.params])
+        rt = runtime.current()
+        name = bucket.name(self._names)
+        desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
+                "op": "average", "step": step, "seed": rt.config.seed, "staleness": self._staleness,
+                "compressor": list(self._compression.settings()) if self._compression else ["none"]}
+        lr = float(self.param_groups[bucket.group_index]["lr"])
+        inputs = (grad, bucket, self._compression, self._memory, rt.wan_stats, self._pool, lr,
+                  self._semantics == "exact")
+        bucket.handles[step] = rt.engine.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
+                                                   execute_cpu_update, self._process_set))
+
+    # -------- Horovod's optimizer API
+
+    def synchronize(self):
+        """Launch every bucket of this step that backward did not (e.g. unused parameters)."""
+        for b in self._buckets:
+            b.pending.clear()
+        self._launch_ready(force=True)
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.synchronize()
+        self._steps += 1
+        self._next_launch = 0
+        for b in self._buckets:
+            b.pending = set(b.params)
+        need = self._required()
+        if self._staleness == 0 or not self._module_hooks:
+            for b in self._buckets:
+                self._apply_through(b, need)
+        runtime.current().wan_stats.end_step()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    def drain(self):
+        """Wait for every launched update and put it in the parameters."""
+        for b in self._buckets:
+            last = max(b.handles) if b.handles else b.applied
+            self._apply_through(b, last)
+
+    def state_dict(self):
+        """Collective (call it on every rank): the full master weights and optimizer state of every
+        bucket, gathered from the cluster's shards, plus the step count."""
+        self.drain()
+        topo = self._process_set.topology
+        out = {"engine": "cpu", "steps": self._steps, "semantics": self._semantics, "buckets": []}
+        for b in self._buckets:
+            if b.master is None:
+                out["buckets"].append(None)
+                continue
+            sd = b.sopt.state_dict()
+            full = {}
+            for key, t in [("master", b.master)] + [(k, v.reshape(-1)) for k, v in sd["state"][0].items()]:
+                gathered = api.allgather(t.reshape(-1).contiguous(), name="cpu_engine.state.%d.%s" % (b.index, key))
+                pieces = torch.split(gathered, [b.counts[i] for i in range(topo.cluster_size)] * topo.num_clusters)
+                first = [pieces[topo.cluster_members[0].index(r)] for r in topo.cluster_members[0]]
+                full[key] = torch.cat(first)
+            out["buckets"].append({"full": full, "step": sd["step"], "hparams": sd["hparams"],
+                                   "optimizer": sd["optimizer"], "mode": sd["mode"]})
+        return out
+
+    def load_state_dict(self, state):
+        if state.get("engine") != "cpu":
+            raise ValueError("not a state_dict of a CPU-engine optimizer")
+        self.drain()
+        topo = self._process_set.topology
+        for b, sb in zip(self._buckets, state["buckets"]):
+            if sb is None:
+                continue
+            if b.master is None:
+                self._init_bucket(b)
+            start = sum(b.counts[:topo.cluster_rank])
+            mine = {k: v[start:start + b.counts[topo.cluster_rank]].clone() for k, v in sb["full"].items()}
+            b.master.copy_(mine.pop("master"))
+            b.sopt.load_state_dict({"optimizer": sb["optimizer"], "mode": sb["mode"], "step": sb["step"],
+                                    "hparams": sb["hparams"], "state": [mine]})
+            off = 0
+            with torch.no_grad():
+                for p in b.params:
+                    n = p.numel()
+                    p.view(-1).copy_(sb["full"]["master"][off:off + n])
+                    off += n
+            b.applied = state["steps"] - 1
+        self._steps = state["steps"]
+
+
+def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,
+                              model=None):
+    if type(optimizer) not in SUPPORTED:
+        raise ValueError("engine='cpu' runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in C; "
+                         "%s is not supported (use engine=None for any optimizer)" % type(optimizer).__name__)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_CpuEngineOptimizer.__dict__))
+    cls._stella_base_class = optimizer.__class__
+    cls._user_optimizer = optimizer
+    opt = cls(optimizer.param_groups, list(named_parameters) if named_parameters is not None else None,
+              compression, staleness, semantics, process_set, optimizer.__class__)
+    if model is not None:
+        opt.attach(model)
+    return opt

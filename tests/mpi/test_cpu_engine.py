@@ -1,0 +1,152 @@
+"""engine="cpu": the C optimizer on the pinned pool against torch.optim, the staleness
+invariants (with an injected delay), checkpoints, and refusals."""
+import copy
+
+import pytest
+import torch
+
+import stella_mpi as hvd
+from stella_mpi import cpu_engine, runtime
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _mean_grad(model, step):
+    model.zero_grad()
+    for r in range(hvd.size()):
+        x, y = _batch(r, step)
+        (torch.nn.functional.cross_entropy(model(x), y) / hvd.size()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _skip_uneven():
+    if not runtime.global_process_set.topology.uniform_clusters:
+        pytest.skip("engine='cpu' needs clusters of equal size")
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)],
+                         ids=["sgd", "adam", "adamw"])
+def test_staleness0_matches_torch_optimizer(make):
+    _skip_uneven()
+    model = _model()
+    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                   engine="cpu", staleness=0, model=model)
+    ref = _model()
+    ref_opt = make(ref.parameters())
+    for step in range(6):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        _mean_grad(ref, step)
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_staleness1_uses_updates_up_to_t_minus_2_and_never_half_applied(monkeypatch):
+    _skip_uneven()
+    real = cpu_engine.execute_cpu_update
+
+    def slow(*args):
+        import time
+        time.sleep(0.05)   # the update lags behind the next step's compute
+        return real(*args)
+    monkeypatch.setattr(cpu_engine, "execute_cpu_update", slow)
+    lr = 0.1
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
+                                   model=model)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(min(b.applied for b in opt._buckets)), prepend=False)
+    # reference: w_{t+1} = w_t - lr * grad(w_{t-1}) (the forward of step t sees w after t-1 updates)
+    ref = _model()
+    history = [copy.deepcopy(ref)]
+    for step in range(6):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        stale = history[max(0, step - 1)]
+        grads = _mean_grad(stale, step)
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), grads):
+                p -= lr * g
+        history.append(copy.deepcopy(ref))
+    assert seen == [-1, -1, 0, 1, 2, 3], seen  # forward t sees exactly the updates 0..t-2
+    # the forward of step 5 used the parameters after 4 updates, whole (equal to the reference)
+    opt.drain()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_sparse_compression_and_identical_ranks():
+    _skip_uneven()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(density=0.1), engine="cpu", staleness=1,
+                                   model=model)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.drain()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0))
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
+
+
+def test_state_dict_round_trip():
+    _skip_uneven()
+
+    def run(model, opt, steps, start):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.drain()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                   named_parameters=model.named_parameters(), engine="cpu", staleness=0)
+    run(model, opt, 3, 0)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    run(model, opt, 2, 3)
+    model2 = _model(seed=5)
+    model2.load_state_dict(saved_model)
+    opt2 = hvd.DistributedOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2),
+                                    named_parameters=model2.named_parameters(), engine="cpu", staleness=0)
+    opt2.load_state_dict(saved_opt)
+    run(model2, opt2, 2, 3)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_refusals():
+    model = _model()
+    with pytest.raises(ValueError, match="SGD, torch.optim.Adam and torch.optim.AdamW"):
+        hvd.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), engine="cpu")
+    with pytest.raises(ValueError, match="staleness"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu", staleness=2)
+    if not runtime.global_process_set.topology.uniform_clusters:
+        return
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), engine="cpu")
+    x, y = _batch(hvd.rank(), 0)
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(16, 7)   # a parameter that changed shape after wrapping
+    with pytest.raises(ValueError, match="changed"):
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 7)), y).backward()
