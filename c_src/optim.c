@@ -304,6 +304,16 @@ int stella_optim_apply(const stella_optim_hparams *hp, const stella_optim_tensor
     return STELLA_OK;
 }
 
+int stella_optim_validate(const stella_optim_hparams *hp, const stella_optim_tensor *t,
+                          const uint32_t *idx, int64_t k, int64_t step) {
+    int rc = stella_optim_check(hp, t);
+    if (rc) return rc;
+    if (k < 0 || step < 1 || step > STELLA_OPTIM_MAX_STEP) return STELLA_ERR_ARG;
+    if (k == 0) return STELLA_OK;
+    if (!idx) return STELLA_ERR_NULL;
+    return stella_optim_validate_entries(hp, t, idx, 0, k, step, 0, t->n);
+}
+
 int stella_optim_catch_up(const stella_optim_hparams *hp, const stella_optim_tensor *t,
                           int64_t c0, int64_t c1, int64_t step) {
     int rc = stella_optim_check(hp, t);

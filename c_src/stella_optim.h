@@ -115,6 +115,11 @@ int stella_optim_apply(const stella_optim_hparams *hp, const stella_optim_tensor
                        const uint32_t *idx, const float *val, int64_t k, int64_t lo, int64_t hi,
                        int64_t step);
 
+/* The checks stella_optim_apply makes on a whole list of k entries, without
+ * writing anything (to refuse a multi-tensor step before any tensor changes). */
+int stella_optim_validate(const stella_optim_hparams *hp, const stella_optim_tensor *t,
+                          const uint32_t *idx, int64_t k, int64_t step);
+
 /* EXACT: bring every coordinate c in [c0, c1) with last[c] < step to step
  * (zero-gradient steps), last[c] = step. Coordinates already at step are left
  * alone; one with last[c] > step (or < 0) is left alone too and makes the call
