@@ -2,8 +2,12 @@
  * stella_optim.h). Element arithmetic is float32 in torch's operation order
  * (no FMA contraction: -ffp-contract=off); per-step scalars are double. */
 #include "optim_internal.h"
+#include "simd_internal.h"
 #include <math.h>
 #include <string.h>
+#if STELLA_X86
+#include <immintrin.h>
+#endif
 
 enum { SHORT_GAP = 16, TAB = 64 };
 
@@ -237,6 +241,102 @@ static inline void catch_one(const prm *P, const stella_optim_tensor *t, int64_t
         adam_catch(P, t->param + c, t->buf1 + c, t->buf2 + c, P->amsgrad ? t->buf3 + c : NULL, s, e);
 }
 
+
+/* ---------------------------------------------------------------- one zero-gradient step on a block
+ * The catch-up of a whole 16-float block that is exactly one step behind (what a caller that
+ * catches up after every step sees everywhere): the same IEEE operations as sgd_one/adam_one
+ * with g = 0, lane by lane, so every path gives the same bits. Adam with coupled weight decay
+ * or amsgrad keeps the scalar path. */
+
+static int block_simd_ok(const prm *P) {
+    if (P->kind == STELLA_OPTIM_SGD) return P->has_mom || P->has_wd;
+    return !P->coupled && !P->amsgrad;
+}
+
+static void zero_step_scalar(const prm *P, const stella_optim_tensor *t, int64_t c, int64_t len, int64_t step) {
+    for (int64_t i = c; i < c + len; i++) catch_one(P, t, i, step - 1, step);
+}
+
+#if STELLA_X86
+STELLA_TARGET_AVX512 static void zero_step_avx512(const prm *P, const stella_optim_tensor *t, int64_t c, int64_t step) {
+    float *p = t->param + c;
+    __m512 zero = _mm512_set1_ps(P->maximize ? -0.0f : 0.0f);
+    __m512 pp = _mm512_loadu_ps(p);
+    if (P->kind == STELLA_OPTIM_SGD) {
+        __m512 d = zero;
+        if (P->has_wd) d = _mm512_add_ps(d, _mm512_mul_ps(_mm512_set1_ps(P->wd_f), pp));
+        __m512 upd = d;
+        if (P->has_mom) {
+            float *b = t->buf1 + c;
+            __m512 mu = _mm512_set1_ps(P->mu_f);
+            __m512 bb = step == 1 ? d : _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(b), mu),
+                                                      _mm512_mul_ps(_mm512_set1_ps(P->damp1_f), d));
+            _mm512_storeu_ps(b, bb);
+            upd = P->nesterov ? _mm512_add_ps(d, _mm512_mul_ps(mu, bb)) : bb;
+        }
+        _mm512_storeu_ps(p, _mm512_add_ps(pp, _mm512_mul_ps(_mm512_set1_ps(P->neg_lr_f), upd)));
+        return;
+    }
+    int j = (int)(TAB - 1);  /* step is the table's last entry */
+    float *m = t->buf1 + c, *v = t->buf2 + c;
+    if (P->decoupled) pp = _mm512_mul_ps(pp, _mm512_set1_ps(P->decay_f));
+    __m512 mm = _mm512_loadu_ps(m);
+    if (fabsf(P->w1_f) < 0.5f) mm = _mm512_add_ps(mm, _mm512_mul_ps(_mm512_set1_ps(P->w1_f), _mm512_sub_ps(zero, mm)));
+    else mm = _mm512_sub_ps(zero, _mm512_mul_ps(_mm512_sub_ps(zero, mm), _mm512_set1_ps(P->w1c_f)));
+    __m512 g2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(P->w2_f), zero), zero);
+    __m512 vv = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(P->b2_f)), g2);
+    _mm512_storeu_ps(m, mm);
+    _mm512_storeu_ps(v, vv);
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(P->tab_bc2s[j])), _mm512_set1_ps(P->eps_f));
+    _mm512_storeu_ps(p, _mm512_add_ps(pp, _mm512_mul_ps(_mm512_set1_ps(P->tab_neg_ss[j]), _mm512_div_ps(mm, denom))));
+}
+
+STELLA_TARGET_AVX2 static void zero_step_avx2(const prm *P, const stella_optim_tensor *t, int64_t c, int64_t step) {
+    for (int h = 0; h < 16; h += 8) {
+        float *p = t->param + c + h;
+        __m256 zero = _mm256_set1_ps(P->maximize ? -0.0f : 0.0f);
+        __m256 pp = _mm256_loadu_ps(p);
+        if (P->kind == STELLA_OPTIM_SGD) {
+            __m256 d = zero;
+            if (P->has_wd) d = _mm256_add_ps(d, _mm256_mul_ps(_mm256_set1_ps(P->wd_f), pp));
+            __m256 upd = d;
+            if (P->has_mom) {
+                float *b = t->buf1 + c + h;
+                __m256 mu = _mm256_set1_ps(P->mu_f);
+                __m256 bb = step == 1 ? d : _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(b), mu),
+                                                          _mm256_mul_ps(_mm256_set1_ps(P->damp1_f), d));
+                _mm256_storeu_ps(b, bb);
+                upd = P->nesterov ? _mm256_add_ps(d, _mm256_mul_ps(mu, bb)) : bb;
+            }
+            _mm256_storeu_ps(p, _mm256_add_ps(pp, _mm256_mul_ps(_mm256_set1_ps(P->neg_lr_f), upd)));
+            continue;
+        }
+        int j = (int)(TAB - 1);
+        float *m = t->buf1 + c + h, *v = t->buf2 + c + h;
+        if (P->decoupled) pp = _mm256_mul_ps(pp, _mm256_set1_ps(P->decay_f));
+        __m256 mm = _mm256_loadu_ps(m);
+        if (fabsf(P->w1_f) < 0.5f) mm = _mm256_add_ps(mm, _mm256_mul_ps(_mm256_set1_ps(P->w1_f), _mm256_sub_ps(zero, mm)));
+        else mm = _mm256_sub_ps(zero, _mm256_mul_ps(_mm256_sub_ps(zero, mm), _mm256_set1_ps(P->w1c_f)));
+        __m256 g2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(P->w2_f), zero), zero);
+        __m256 vv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v), _mm256_set1_ps(P->b2_f)), g2);
+        _mm256_storeu_ps(m, mm);
+        _mm256_storeu_ps(v, vv);
+        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(P->tab_bc2s[j])), _mm256_set1_ps(P->eps_f));
+        _mm256_storeu_ps(p, _mm256_add_ps(pp, _mm256_mul_ps(_mm256_set1_ps(P->tab_neg_ss[j]), _mm256_div_ps(mm, denom))));
+    }
+}
+#endif
+
+/* 16 coordinates from c, all at step - 1, to step. */
+static void zero_step_block(const prm *P, const stella_optim_tensor *t, int64_t c, int64_t step, int lvl) {
+#if STELLA_X86
+    if (lvl >= STELLA_SIMD_AVX512) { zero_step_avx512(P, t, c, step); return; }
+    if (lvl >= STELLA_SIMD_AVX2) { zero_step_avx2(P, t, c, step); return; }
+#endif
+    (void)lvl;
+    zero_step_scalar(P, t, c, 16, step);
+}
+
 int stella_optim_validate_entries(const stella_optim_hparams *hp, const stella_optim_tensor *t,
                                   const uint32_t *idx, int64_t lo, int64_t hi, int64_t step,
                                   int64_t cmin, int64_t cmax) {
@@ -326,12 +426,33 @@ int stella_optim_catch_up(const stella_optim_hparams *hp, const stella_optim_ten
     int32_t *last = t->last;
     int bad = 0;
     int trivial = hp->kind == STELLA_OPTIM_SGD && !P.has_mom && !P.has_wd;
-    for (int64_t c = c0; c < c1; c++) {
+    int lvl = block_simd_ok(&P) && step >= 1 ? stella_simd_level_internal() : STELLA_SIMD_SCALAR;
+    int64_t c = c0;
+    while (c < c1) {
+        if (lvl > STELLA_SIMD_SCALAR && (c & 15) == 0 && c + 16 <= c1) {
+            /* whole block: all current, or all exactly one step behind, takes the vector path */
+            int behind = 0, current = 0;
+            for (int i = 0; i < 16; i++) {
+                behind += last[c + i] == step - 1;
+                current += last[c + i] == step;
+            }
+            if (current == 16) { c += 16; continue; }
+            if (behind == 16) {
+                zero_step_block(&P, t, c, step, lvl);
+                for (int i = 0; i < 16; i++) last[c + i] = (int32_t)step;
+                c += 16;
+                continue;
+            }
+        }
         int64_t s = last[c];
-        if (s == step) continue;
-        if (s < 0 || s > step) { bad = 1; continue; }
-        if (!trivial) catch_one(&P, t, c, s, step);
-        last[c] = (int32_t)step;
+        if (s != step) {
+            if (s < 0 || s > step) bad = 1;
+            else {
+                if (!trivial) catch_one(&P, t, c, s, step);
+                last[c] = (int32_t)step;
+            }
+        }
+        c++;
     }
     return bad ? STELLA_ERR_ARG : STELLA_OK;
 }

@@ -187,7 +187,50 @@ static void test_nan_inf(void) {
     CHECK(isnan(s.p[1]) && isfinite(s.p[3]) && isfinite(s.p[4]));
 }
 
+/* Catch-up after every step (whole blocks one step behind take the vector path):
+ * identical bits on every SIMD level. */
+static void run_flush(stella_optim_hparams h, int lvl, state *s) {
+    static uint32_t idx[N];
+    static float val[N];
+    CHECK_EQ_INT(stella_simd_force(lvl), STELLA_OK);
+    state_init(s, 21);
+    uint32_t seed = 99;
+    for (int step = 1; step <= 30; step++) {
+        int k = 0;
+        for (int i = 0; i < N; i++) {
+            seed = seed * 1664525u + 1013904223u;
+            if ((seed >> 16) % 100 < 3) { idx[k] = (uint32_t)i; val[k++] = (float)((seed >> 4) & 255) / 128.0f - 1.0f; }
+        }
+        CHECK_EQ_INT(stella_optim_apply(&h, &s->t, idx, val, k, 0, k, step), STELLA_OK);
+        if (step % 5 != 2) CHECK_EQ_INT(stella_optim_catch_up(&h, &s->t, 3, N, step), STELLA_OK);
+    }
+    CHECK_EQ_INT(stella_optim_catch_up(&h, &s->t, 0, N, 30), STELLA_OK);
+    stella_simd_force(-1);
+}
+
+static void test_simd_paths_identical(void) {
+    stella_optim_hparams hs[] = {
+        sgd(0.1, 0.9, 0.2, 0.01, STELLA_OPTIM_MAXIMIZE), sgd(0.1, 0.9, 0, 0.01, STELLA_OPTIM_NESTEROV),
+        sgd(0.1, 0, 0, 0.01, 0), sgd(0.1, 0.9, 0, 0, 0),
+        adam(STELLA_OPTIM_ADAM, 0.01, 0.9, 0.999, 1e-8, 0, 0), adam(STELLA_OPTIM_ADAMW, 0.01, 0.3, 0.99, 1e-6, 0.1, STELLA_OPTIM_MAXIMIZE),
+        adam(STELLA_OPTIM_ADAM, 0.01, 0.9, 0.999, 1e-8, 0.1, STELLA_OPTIM_AMSGRAD),
+    };
+    static state ref, got;
+    for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) {
+        run_flush(hs[i], STELLA_SIMD_SCALAR, &ref);
+        for (int lvl = 1; lvl <= stella_simd_best(); lvl++) {
+            run_flush(hs[i], lvl, &got);
+            if (memcmp(ref.p, got.p, sizeof ref.p) || memcmp(ref.b1, got.b1, sizeof ref.b1) ||
+                memcmp(ref.b2, got.b2, sizeof ref.b2)) {
+                fprintf(stderr, "config %zu: SIMD level %d differs from scalar\n", i, lvl);
+                g_failures++;
+            }
+        }
+    }
+}
+
 int main(void) {
+    test_simd_paths_identical();
     test_exact_catch_up();
     test_lazy();
     test_validation();
