@@ -12,6 +12,9 @@ const char *stella_strerror(int code) {
     case STELLA_ERR_MALFORMED: return "malformed payload";
     case STELLA_ERR_NOMEM: return "out of memory";
     case STELLA_ERR_UNSUPPORTED: return "not supported on this CPU";
+    case STELLA_ERR_TIMEOUT: return "timed out (the work is still running)";
+    case STELLA_ERR_BUSY: return "busy: a previous batch is still running";
+    case STELLA_ERR_SYSTEM: return "an operating-system call failed";
     default: return "unknown error";
     }
 }

@@ -16,7 +16,10 @@ enum stella_status {
     STELLA_ERR_SIZE = 3,        /* an output buffer is too small */
     STELLA_ERR_MALFORMED = 4,   /* an input payload failed validation */
     STELLA_ERR_NOMEM = 5,       /* allocation failed */
-    STELLA_ERR_UNSUPPORTED = 6  /* the CPU lacks the requested feature */
+    STELLA_ERR_UNSUPPORTED = 6, /* the CPU lacks the requested feature */
+    STELLA_ERR_TIMEOUT = 7,     /* a wait reached its deadline; the work is still in flight */
+    STELLA_ERR_BUSY = 8,        /* the object is in use (e.g. a pool batch is still running) */
+    STELLA_ERR_SYSTEM = 9       /* an OS call failed (thread creation, affinity) */
 };
 
 enum stella_simd {

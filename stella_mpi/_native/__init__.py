@@ -13,6 +13,10 @@ class MalformedPayloadError(NativeError, ValueError):
     """Data received from a peer failed validation in the C core."""
 
 
+class NativeTimeoutError(NativeError, TimeoutError):
+    """A wait in the C core (the worker pool) reached its deadline; the work is still running."""
+
+
 SIMD_LEVELS = {"scalar": lib.STELLA_SIMD_SCALAR, "avx2": lib.STELLA_SIMD_AVX2, "avx512": lib.STELLA_SIMD_AVX512}
 
 
@@ -27,6 +31,8 @@ def check(rc, what):
         raise ValueError(msg)
     if rc == lib.STELLA_ERR_NOMEM:
         raise MemoryError(msg)
+    if rc == lib.STELLA_ERR_TIMEOUT:
+        raise NativeTimeoutError(msg)
     raise NativeError(msg)
 
 
