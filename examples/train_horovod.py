@@ -30,7 +30,11 @@ def main():
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
+    parser.add_argument("--engine", choices=["torch", "cpu"], default="torch",
+                        help="cpu: stella_mpi's C optimizer on pinned cores with a CPU master copy")
+    parser.add_argument("--staleness", type=int, default=1, help="CPU engine: 0 synchronous, 1 overlapped")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
     args = parser.parse_args()
 
@@ -44,7 +48,7 @@ def main():
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     if args.compression in ("none", "fp16", "bf16"):
         compression = getattr(hvd.Compression, args.compression)
     else:
@@ -53,8 +57,13 @@ def main():
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+    if args.engine == "cpu":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression, engine="cpu", staleness=args.staleness,
+                                             model=model)
+    else:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())
@@ -80,6 +89,8 @@ def main():
                       % (step, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
                          "%.4f" % density if density is not None else "-"), flush=True)
             t_last = now
+    if args.engine == "cpu":
+        optimizer.drain()  # the last updates into the model before evaluating
     with torch.no_grad():
         val = hvd.allreduce(torch.nn.functional.cross_entropy(model(vx), vy), name="val_loss").item()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
