@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Set everything up, then run the C tests (plain and with ASan+UBSan) and the Python tests.
+# Set everything up, then run the C tests (plain, with ASan+UBSan, with TSan) and the Python tests.
 # Long runs (fuzzing, WAN benchmarks) have their own commands; see README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
 if command -v cmake >/dev/null; then
-    for variant in release asan; do
+    for variant in release asan tsan; do
         flags=""
         [ "$variant" = asan ] && flags="-DSTELLA_SANITIZE=ON"
+        [ "$variant" = tsan ] && flags="-DSTELLA_TSAN=ON"
         cmake -S . -B "build/$variant" -DCMAKE_BUILD_TYPE=Release $flags >/dev/null
         cmake --build "build/$variant" -j2 >/dev/null
         (cd "build/$variant" && ctest --output-on-failure)
