@@ -278,10 +278,12 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             sd = b.sopt.state_dict()
             full = {}
             for key, t in [("master", b.master)] + [(k, v.reshape(-1)) for k, v in sd["state"][0].items()]:
-                gathered = api.allgather(t.reshape(-1).contiguous(), name="cpu_engine.state.%d.%s" % (b.index, key))
-                pieces = torch.split(gathered, [b.counts[i] for i in range(topo.cluster_size)] * topo.num_clusters)
-                first = [pieces[topo.cluster_members[0].index(r)] for r in topo.cluster_members[0]]
-                full[key] = torch.cat(first)
+                gathered = api.allgather(t.reshape(-1).contiguous(), name="cpu_engine.state.%d.%s" % (b.index, key),
+                                         process_set=self._process_set)
+                # pieces come in world-rank order; rank r holds shard cluster_rank(r) of its cluster
+                shard_of = [topo.cluster_members[topo.cluster_of_rank[r]].index(r) for r in range(topo.size)]
+                pieces = torch.split(gathered, [b.counts[shard_of[r]] for r in range(topo.size)])
+                full[key] = torch.cat([pieces[r] for r in topo.cluster_members[0]])  # cluster 0, shard order
             out["buckets"].append({"full": full, "step": sd["step"], "hparams": sd["hparams"],
                                    "optimizer": sd["optimizer"], "mode": sd["mode"]})
         return out
