@@ -28,6 +28,7 @@ from .engine import Op
 from .errors import HorovodInternalError
 from .exchange import sparse_reduce
 from .ops import EXECUTORS
+from .optimizer import launch_in_order
 from .topology import split_counts
 
 log = logging.getLogger("stella_mpi")
@@ -188,17 +189,8 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
     # -------- launching
 
     def _on_grad_ready(self, p):
-        bucket = self._bucket_of[p]
-        bucket.pending.discard(p)
-        self._launch_ready()
-
-    def _launch_ready(self, force=False):
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.pending and not force:
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+        self._bucket_of[p].pending.discard(p)
+        launch_in_order(self)
 
     def _init_bucket(self, bucket):
         topo = self._process_set.topology
@@ -240,7 +232,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         """Launch every bucket of this step that backward did not (e.g. unused parameters)."""
         for b in self._buckets:
             b.pending.clear()
-        self._launch_ready(force=True)
+        launch_in_order(self, force=True)
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None

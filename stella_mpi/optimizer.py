@@ -21,6 +21,18 @@ from .compression.memory import Memory
 from .runtime import global_process_set
 
 
+def launch_in_order(opt, force=False):
+    """Launch ``opt``'s buckets strictly in bucket order, each once all its gradients are ready
+    (all of them with ``force``), so that every rank submits the same collectives in the same
+    order whatever order its hooks fire in. ``opt`` has _buckets, _next_launch and _launch."""
+    while opt._next_launch < len(opt._buckets):
+        bucket = opt._buckets[opt._next_launch]
+        if bucket.pending and not force:
+            return
+        opt._launch(bucket)
+        opt._next_launch += 1
+
+
 def _split_list(items, n):
     d, r = divmod(len(items), n)
     out, start = [], 0
@@ -142,17 +154,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes[p] -= 1
         if self._passes[p] > 0:
             return
-        bucket = self._bucket_of[p]
-        bucket.pending.discard(p)
-        self._launch_ready()
-
-    def _launch_ready(self, force=False):
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.pending and not force:
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+        self._bucket_of[p].pending.discard(p)
+        launch_in_order(self)
 
     def _grad_of(self, p):
         if p.grad is None:
@@ -195,7 +198,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         for bucket in self._buckets:
             bucket.pending.clear()
-        self._launch_ready(force=True)
+        launch_in_order(self, force=True)
         for bucket in self._buckets:
             if bucket.handle is not None:
                 synchronize(bucket.handle)

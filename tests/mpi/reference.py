@@ -56,3 +56,15 @@ def assert_close(got, want, dtype, what=""):
         torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol, msg=what)
     else:
         assert torch.equal(got, want), "%s: %s != %s" % (what, got, want)
+
+
+def small_model(seed=0):
+    """The little classifier the optimizer suites train."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def rank_batch(rank, step):
+    """Rank ``rank``'s batch of step ``step`` (any rank can recompute any other's)."""
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)

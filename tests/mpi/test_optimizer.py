@@ -6,16 +6,11 @@ import pytest
 import torch
 
 import stella_mpi as hvd
+from reference import rank_batch, small_model
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(7919 * rank + step)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+_model = small_model
+_batch = rank_batch
 
 
 def _reference_train(steps, n, lr, momentum, passes=1):
