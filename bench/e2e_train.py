@@ -1,0 +1,128 @@
+"""One training run for the end-to-end comparison (bench/run_e2e.py): the same model, data,
+seed and steps under PyTorch DDP (gloo, flat over all ranks: the baseline users have today)
+or under stella_mpi (dense hierarchical, sparse with a compressor, or the CPU engine).
+
+Launched by stellarun (usually with --wan RATE); rank 0 writes a JSON line per step to --out.
+
+Workloads: "comm" -- a ~25M-parameter MLP on random data with a small batch (communication
+dominates); "lm" -- the byte-level language model on Python's standard-library sources
+(examples/stdlib_text.py), for time to a target loss.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from mpi4py import MPI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
+
+
+def comm_heavy_model():
+    """25.2M parameters: 2048 -> 4096 -> 4096 -> 1024 -> 10."""
+    return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                               torch.nn.ReLU(), torch.nn.Linear(4096, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+class RandomTask:
+    def __init__(self, rank, batch):
+        self.g = torch.Generator().manual_seed(100 + rank)
+        self.w = torch.randn(2048, 10, generator=torch.Generator().manual_seed(7))
+        self.batch = batch
+
+    def next(self):
+        x = torch.randn(self.batch, 2048, generator=self.g)
+        return x, (x @ self.w).argmax(1)
+
+    def validation(self):
+        g = torch.Generator().manual_seed(99)
+        x = torch.randn(512, 2048, generator=g)
+        return x, (x @ self.w).argmax(1)
+
+
+def ddp_setup(model):
+    import torch.distributed as dist
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.Get_rank() == 0:
+        s = socket.socket()
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+        s.close()
+    port = comm.bcast(port, root=0)  # the benchmark's own port number
+    addr = os.environ.get("STELLA_WAN_MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (addr, port), rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timedelta(seconds=600))
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True, help="ddp, dense, sparse:<compressor>, cpu:<compressor>")
+    p.add_argument("--workload", choices=["comm", "lm"], default="comm")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if args.workload == "comm":
+        model, task = comm_heavy_model(), RandomTask(rank, 8)
+    else:
+        model, task = ByteMLP(32, hidden=256), ByteBatches(load_corpus(), 32, 64, seed=1 + rank)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    hvd = None
+    if args.mode == "ddp":
+        net = ddp_setup(model)
+    else:
+        import stella_mpi as hvd
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        kind, _, comp_name = args.mode.partition(":")
+        comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
+        if kind == "cpu":
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
+                                           engine="cpu", staleness=1, model=model)
+        else:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+        net = model
+    vx, vy = task.validation()
+    records = []
+    MPI.COMM_WORLD.Barrier()
+    t0 = time.perf_counter()
+    last = t0
+    for step in range(1, args.steps + 1):
+        x, y = task.next()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        now = time.perf_counter()
+        wan = hvd.stats()["last_step"]["wan_bytes_sent"] if hvd else None
+        avg = MPI.COMM_WORLD.allreduce(loss.item()) / size
+        records.append({"step": step, "loss": avg, "step_s": now - last, "elapsed_s": now - t0, "wan_bytes_rank": wan})
+        last = time.perf_counter()
+    if hvd and args.mode.startswith("cpu"):
+        opt.drain()
+    with torch.no_grad():
+        val = MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val,
+                       "parameters": sum(q.numel() for q in model.parameters()),
+                       "wan_rate_bps": float(os.environ.get("STELLA_WAN_RATE_BPS", "0") or 0),
+                       "wan_mode": os.environ.get("STELLA_WAN_MODE", "none")}, f)
+    if hvd:
+        hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
