@@ -11,30 +11,15 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 import stella_mpi as hvd
 from stella_mpi import runtime
-
-
-def init_gloo_world():
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.Get_rank() == 0:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-    port = comm.bcast(port, root=0)  # our own benchmark's port number, not peer data
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), timeout=timedelta(seconds=120))
+from baseline_dist import init_gloo_world
 
 
 def timed(fn, reps):
@@ -73,7 +58,7 @@ def main():
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    init_gloo_world()
+    init_gloo_world(timeout_s=120)
     t = torch.randn(args.numel)
     a, b = t.clone(), t.clone()
     hvd.allreduce_(a, op=hvd.Sum)           # warm up both paths (connections, buffers)

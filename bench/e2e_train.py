@@ -11,10 +11,8 @@ dominates); "lm" -- the byte-level language model on Python's standard-library s
 import argparse
 import json
 import os
-import socket
 import sys
 import time
-from datetime import timedelta
 
 import torch
 from mpi4py import MPI
@@ -22,6 +20,7 @@ from mpi4py import MPI
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
+from baseline_dist import init_gloo_world  # noqa: E402
 
 
 def comm_heavy_model():
@@ -47,18 +46,7 @@ class RandomTask:
 
 
 def ddp_setup(model):
-    import torch.distributed as dist
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.Get_rank() == 0:
-        s = socket.socket()
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-        s.close()
-    port = comm.bcast(port, root=0)  # the benchmark's own port number
-    addr = os.environ.get("STELLA_WAN_MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (addr, port), rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), timeout=timedelta(seconds=600))
+    init_gloo_world()
     return torch.nn.parallel.DistributedDataParallel(model)
 
 

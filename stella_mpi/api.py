@@ -18,7 +18,7 @@ from .compression.base import Compression
 from .engine import Op
 from .errors import CollectiveNotInitializedError, HorovodInternalError
 from . import exchange  # noqa: F401  (registers the sparse executor)
-from .ops import DTYPES, dtype_name, EXECUTORS, reducescatter_rows
+from .ops import EXECUTORS, dtype_name
 from .runtime import global_process_set
 
 # Horovod's reduction op constants
@@ -151,7 +151,7 @@ def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, proce
         if t.device != device:
             raise RuntimeError("Tensors in list must be on same device.")
     opname = _op_name(op, dtype)
-    if not dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0) and dtype == torch.bool:
+    if dtype == torch.bool and (prescale != 1.0 or postscale != 1.0):
         raise TypeError("%s: prescale/postscale factors do not apply to bool tensors" % what)
     name = name or _auto_name(prefix, pset)
     desc = {"kind": "allreduce", "name": name, "dtype": dtype_name(dtype),
@@ -223,7 +223,7 @@ def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_fact
     ``name`` keys the error-feedback residual (kept in ``memory``, by default the runtime's);
     ``step`` feeds the compressor's context (random-k draws), by default a per-name counter."""
     what = "hvd.allreduce(compression=%s)" % compression.name
-    eng = _engine(what)
+    _engine(what)
     pset = _pset(process_set, what)
     rt = runtime._runtime
     if not name:
@@ -383,13 +383,12 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     what = "hvd.broadcast"
-    rt_size = runtime.current("hvd.broadcast").size if runtime._runtime else None
     _engine(what)
     pset = _pset(process_set, what)
     _check_tensor(tensor, what)
     if not isinstance(root_rank, int) or root_rank not in pset.ranks:
-        raise ValueError("%s: root_rank %r is not a rank of the process set (ranks %s, world size %s)"
-                         % (what, root_rank, pset.ranks, rt_size))
+        raise ValueError("%s: root_rank %r is not a rank of the process set (ranks %s)"
+                         % (what, root_rank, pset.ranks))
     name = name or _auto_name("broadcast", pset)
     desc = {"kind": "broadcast", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
             "root": root_rank}
@@ -450,7 +449,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if tensor.dim() == 0:
         raise ValueError("%s: cannot alltoall a rank-zero (scalar) tensor" % what)
     n = pset.nranks
-    splits_given = splits is not None
     if splits is None:
         if tensor.shape[0] % n:
             raise ValueError("splits not provided, but first dimension of tensor is not an even multiple of "
@@ -484,7 +482,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             out = out.to(device)
         if splits_like is not None:
             recv = recv.to(splits_like.device)
-        return (out, recv) if splits_given else (out, recv)
+        return out, recv
 
     return _submit("alltoall", name, desc, (host, split_list), pset, post)
 
@@ -591,4 +589,4 @@ def join(device=-1):
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("itertools", "threading", "warnings", "torch",
-                                                                     "runtime", "Op", "DTYPES", "EXECUTORS")]
+                                                                     "runtime", "Op", "EXECUTORS", "exchange")]

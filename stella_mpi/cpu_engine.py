@@ -23,7 +23,6 @@ import torch
 
 from . import api, runtime
 from .compression.memory import Memory
-from .compression.sparse import Selection
 from .engine import Op
 from .errors import HorovodInternalError
 from .exchange import sparse_reduce
@@ -247,9 +246,6 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
                 self._apply_through(b, need)
         runtime.current().wan_stats.end_step()
         return loss
-
-    def zero_grad(self, set_to_none=True):
-        return super(self.__class__, self).zero_grad(set_to_none)
 
     def drain(self):
         """Wait for every launched update and put it in the parameters."""

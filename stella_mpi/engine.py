@@ -73,9 +73,8 @@ def describe(desc):
 
 
 class Engine:
-    def __init__(self, rank, world, config, neutral_inputs):
+    def __init__(self, rank, config, neutral_inputs):
         self.rank = rank
-        self.world = world
         self.config = config
         self.neutral_inputs = neutral_inputs   # neutral_inputs(desc) -> (inputs, execute), for joined ranks
         self._queue = queue.Queue()
@@ -84,7 +83,6 @@ class Engine:
         self._lock = threading.Lock()
         self._hash_cache = {}
         self._inflight = set()
-        self._joined = False
         self._last_joined = -1
         self.checks = 0
         self.check_seconds = 0.0

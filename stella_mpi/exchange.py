@@ -22,7 +22,7 @@ import torch
 from .compression.base import TensorContext
 from .compression.sparse import merge_selections, scatter_add
 from .errors import HorovodInternalError
-from .ops import EXECUTORS
+from .ops import EXECUTORS, fuse, unfuse
 from .topology import split_counts
 from .transport import wan_pace
 
@@ -160,15 +160,20 @@ def sparse_reduce(pset, buf, comp, memory, name, step, seed, comm, comm_kind, st
     t0 = time.perf_counter()
     sel = comp.select(buf, ctx, memory=memory)
     t1 = time.perf_counter()
-    algo = choose_algorithm(pset.sparse_algorithm, comm.Get_size(), 8 * len(sel))
-    if algo == "tree":
-        stats.add(select_s=t1 - t0, elements=buf.numel(), entries_sent=len(sel))
+    stats.add(select_s=t1 - t0, elements=buf.numel(), entries_sent=len(sel))
+    if choose_algorithm(pset.sparse_algorithm, comm.Get_size(), 8 * len(sel)) == "tree":
         merged = tree_reduce(pset, comm, sel, comp, ctx, memory, name, buf.numel(), comm_kind, stats)
-        res = memory.get(name) if memory is not None else None
-        stats.add_norms(float(torch.dot(res, res)) if res is not None else 0.0, grad_sq)
-        return merged
+    else:
+        merged = _allgather_reduce(pset, comm, sel, comp, ctx, name, buf.numel(), comm_kind, stats)
+    # after the exchange: the tree may have put dropped entries into the residual
     res = memory.get(name) if memory is not None else None
     stats.add_norms(float(torch.dot(res, res)) if res is not None else 0.0, grad_sq)
+    return merged
+
+
+def _allgather_reduce(pset, comm, sel, comp, ctx, name, n, comm_kind, stats):
+    """Every rank's payload to every other, decoded (validated) and merged in rank order."""
+    t1 = time.perf_counter()
     payload = comp.encode(sel, ctx)
     if pset.tamper is not None:
         payload = pset.tamper(payload)
@@ -182,16 +187,15 @@ def sparse_reduce(pset, buf, comp, memory, name, step, seed, comm, comm_kind, st
             sels.append(sel)
             continue
         try:
-            sels.append(comp.decode(piece, ctx, buf.numel()))
+            sels.append(comp.decode(piece, ctx, n))
         except ValueError as e:
             raise PeerPayloadError("rank %d sent a malformed payload for %r (step %d): %s"
-                                   % (_sender_rank(pset, comm_kind, i), name, step, e)) from None
+                                   % (_sender_rank(pset, comm_kind, i), name, ctx.step, e)) from None
     t4 = time.perf_counter()
     merged = merge_selections(sels)
     t5 = time.perf_counter()
-    stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2, select_s=t1 - t0,
-              encode_s=t2 - t1, exchange_s=t3 - t2, decode_s=t4 - t3, merge_s=t5 - t4,
-              elements=buf.numel(), entries_sent=len(sel))
+    stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2, encode_s=t2 - t1,
+              exchange_s=t3 - t2, decode_s=t4 - t3, merge_s=t5 - t4)
     return merged
 
 
@@ -200,19 +204,8 @@ def execute_sparse_allreduce(pset, desc, inputs, joined):
     tensors, outputs, comp, memory, stats = inputs
     topo = pset.topology
     hier = pset.hierarchy
-    sizes = [t.numel() for t in tensors]
-    n = sum(sizes)
-    direct = len(tensors) == 1 and outputs[0].is_contiguous()
-    if direct:
-        buf = outputs[0].view(-1)
-        if outputs[0] is not tensors[0]:
-            buf.copy_(tensors[0].reshape(-1))
-    else:
-        buf = torch.empty(n, dtype=torch.float32)
-        pos = 0
-        for t, k in zip(tensors, sizes):
-            buf[pos:pos + k].copy_(t.reshape(-1))
-            pos += k
+    buf, direct = fuse(tensors, outputs, torch.float32)
+    n = buf.numel()
     if desc["prescale"] != 1.0:
         buf.mul_(desc["prescale"])
     scale = desc["postscale"] / (pset.nranks if desc["op"] == "average" else 1)
@@ -242,10 +235,7 @@ def execute_sparse_allreduce(pset, desc, inputs, joined):
         if topo.cluster_size > 1:
             hier.intra.bcast(buf, root=0)
     if not direct:
-        pos = 0
-        for out, k in zip(outputs, sizes):
-            out.view(-1).copy_(buf[pos:pos + k])
-            pos += k
+        unfuse(buf, outputs)
     return outputs
 
 

@@ -11,7 +11,6 @@ Two interchangeable backends over the same cluster membership:
 All methods take flat, contiguous tensors in the reduction dtype (see
 ``collectives.compute_dtype``) and return only when the data is in place.
 """
-import os
 import socket
 from datetime import timedelta
 
@@ -196,11 +195,6 @@ def gloo_usable():
     return dist.is_available() and hasattr(dist, "ProcessGroupGloo")
 
 
-def nccl_usable():
-    return dist.is_available() and torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL") \
-        and dist.is_nccl_available()
-
-
 def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps=3, small_reps=20):
     """Time both backends on a bucket-sized allreduce (``nbytes``) and on ``small_reps``
     one-element allreduces (latency); the lower total wins. Every rank of the cluster takes
@@ -224,5 +218,3 @@ def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps
         times.append(best + time.perf_counter() - t0)
     agreed = allreduce_max(comm, times, deadline, "intra backend timing")
     return (mpi_intra if agreed[0] <= agreed[1] else gloo_intra), agreed
-
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -48,6 +48,34 @@ def _scale(buf, factor):
         buf.copy_((buf.to(torch.float64) * factor).trunc().to(buf.dtype))
 
 
+def fuse(tensors, outputs, cdt):
+    """(flat buffer in dtype ``cdt``, direct). Direct: one contiguous tensor already in ``cdt``
+    is reduced in its output itself, with no fusion buffer and no copy back."""
+    if len(tensors) == 1 and tensors[0].dtype == cdt and outputs[0].is_contiguous():
+        buf = outputs[0].view(-1)
+        if outputs[0] is not tensors[0]:
+            buf.copy_(tensors[0].reshape(-1))
+        return buf, True
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt)
+    pos = 0
+    for t in tensors:
+        buf[pos:pos + t.numel()].copy_(t.reshape(-1))
+        pos += t.numel()
+    return buf, False
+
+
+def unfuse(buf, outputs):
+    """Copy the reduced buffer back into the outputs (casting to their dtype)."""
+    pos = 0
+    for out in outputs:
+        n = out.numel()
+        if out.is_contiguous():
+            out.view(-1).copy_(buf[pos:pos + n])
+        else:
+            out.copy_(buf[pos:pos + n].view(out.shape))
+        pos += n
+
+
 def execute_allreduce(pset, desc, inputs, joined):
     """inputs: (tensors, outputs). Tensors of one dtype are fused into one buffer."""
     tensors, outputs = inputs
@@ -55,19 +83,7 @@ def execute_allreduce(pset, desc, inputs, joined):
     cdt = compute_dtype(dtype)
     op = desc["op"]
     base_op = "sum" if op == "average" else op
-    sizes = [t.numel() for t in tensors]
-    direct = len(tensors) == 1 and cdt == dtype and outputs[0].is_contiguous()
-    if direct:
-        # one tensor in its own dtype: reduce in the output itself, no fusion buffer
-        buf = outputs[0].view(-1)
-        if outputs[0] is not tensors[0]:
-            buf.copy_(tensors[0].reshape(-1))
-    else:
-        buf = torch.empty(sum(sizes), dtype=cdt)
-        pos = 0
-        for t, n in zip(tensors, sizes):
-            buf[pos:pos + n].copy_(t.reshape(-1))
-            pos += n
+    buf, direct = fuse(tensors, outputs, cdt)
     if desc["prescale"] != 1.0:
         _scale(buf, desc["prescale"])
     wire = DTYPES[desc["wire"]] if desc.get("wire") else None
@@ -80,10 +96,7 @@ def execute_allreduce(pset, desc, inputs, joined):
     if scale != 1.0:
         _scale(buf, scale)
     if not direct:
-        pos = 0
-        for out, n in zip(outputs, sizes):
-            out.view(-1).copy_(buf[pos:pos + n]) if out.is_contiguous() else out.copy_(buf[pos:pos + n].view(out.shape))
-            pos += n
+        unfuse(buf, outputs)
     return outputs
 
 

@@ -6,7 +6,6 @@ the module-level functions of the Horovod API read it through
 """
 import atexit
 import logging
-import os
 import sys
 import threading
 
@@ -17,7 +16,7 @@ from .collectives import Hierarchy
 from .config import Config
 from .engine import Engine
 from .errors import NotInitializedError
-from .intra import MpiIntra, TorchIntra, gloo_usable, nccl_usable, pick_cpu_backend
+from .intra import MpiIntra, TorchIntra, gloo_usable, pick_cpu_backend
 from .ops import neutral_inputs
 from .compression.memory import Memory
 from .stats import WanStats
@@ -53,7 +52,7 @@ class ProcessSet:
         self.sparse_algorithm = "auto"  # cross-cluster sum of selections: auto, allgather or tree
 
     # -- built collectively by every rank of the world --
-    def _build(self, world, config, label_of, is_global, intra_choice=None):
+    def _build(self, world, config, label_of, is_global):
         world_rank = world.Get_rank()
         if self.ranks is None:
             self.ranks = list(range(world.Get_size()))
@@ -69,15 +68,17 @@ class ProcessSet:
         topo = build_topology(comm, label_of, self.deadline)
         self.comms = Communicators(comm, topo)
         intra = MpiIntra(self.comms.cluster, self.deadline)
-        self.intra_timings = None
         if topo.cluster_size > 1 and config.intra_backend != "mpi" and gloo_usable():
             one_node = self._cluster_on_one_node(topo)
             gloo = TorchIntra(self.comms.cluster, self.deadline, one_node, config.gloo_ifname, "gloo")
             if config.intra_backend == "gloo":
                 intra = gloo
             else:
-                intra, self.intra_timings = pick_cpu_backend(self.comms.cluster, intra, gloo, self.deadline)
-                (gloo if intra is not gloo else None) and gloo.free()
+                intra, timings = pick_cpu_backend(self.comms.cluster, intra, gloo, self.deadline)
+                log.debug("cluster intra backend timings: mpi %.4f s, gloo %.4f s -> %s", timings[0], timings[1],
+                          intra.name)
+                if intra is not gloo:
+                    gloo.free()
         elif config.intra_backend == "gloo" and topo.cluster_size > 1:
             raise RuntimeError("STELLA_INTRA_BACKEND=gloo, but this torch build has no gloo")
         self.intra = intra
@@ -164,7 +165,7 @@ class Runtime:
         global_process_set.sparse_algorithm = cfg.sparse_algorithm
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
-        self.engine = Engine(self.rank, self.world, cfg, neutral_inputs)
+        self.engine = Engine(self.rank, cfg, neutral_inputs)
         self.wan_stats = WanStats()
         self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
         self.sparse_steps = {}
@@ -415,5 +416,3 @@ def start_timeline(file_path, mark_cycles=False):
 def stop_timeline():
     current("hvd.stop_timeline()")
 
-
-os.environ.setdefault("STELLA_RUNTIME_LOADED", "1")

@@ -43,10 +43,6 @@ class Topology:
         """All clusters have the same number of ranks (shards line up across clusters)."""
         return len({len(m) for m in self.cluster_members}) == 1
 
-    @property
-    def is_cluster_leader(self):
-        return self.cluster_rank == 0
-
 
 class Communicators:
     """The communicators of one process set. Every rank of ``comm`` builds them collectively."""

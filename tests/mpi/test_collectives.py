@@ -258,3 +258,20 @@ def test_process_set_subset():
                 hvd.allreduce(torch.ones(1), process_set=ps)
     finally:
         hvd.remove_process_set(ps)
+
+
+def test_join_refuses_other_collectives_alike():
+    """While a rank has joined, an allgather is refused on every active rank (as Horovod does),
+    the ranks stay in step, and the rest can join afterwards."""
+    from stella_mpi.errors import CollectiveRefused
+    if hvd.size() < 2:
+        pytest.skip("needs a rank that joins and one that does not")
+    if hvd.rank() == 0:
+        last = hvd.join()
+    else:
+        with pytest.raises(CollectiveRefused, match="joined"):
+            hvd.allgather(torch.ones(2, 1), name="refused.while.joined")
+        last = hvd.join()
+    assert 1 <= last < hvd.size()
+    everyone = hvd.allgather(torch.tensor([last]))
+    assert everyone.eq(last).all()

@@ -137,6 +137,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="staleness"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu", staleness=2)
     if not runtime.global_process_set.topology.uniform_clusters:
+        with pytest.raises(ValueError, match="clusters of equal size"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu")
         return
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), engine="cpu")

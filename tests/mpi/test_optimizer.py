@@ -1,5 +1,4 @@
 """DistributedOptimizer and the parameter/state helpers, against single-process references."""
-import copy
 import warnings
 
 import pytest
@@ -148,5 +147,7 @@ def test_broadcast_parameters_and_optimizer_state():
     assert steps.eq(steps[0]).all()
     avg = hvd.allgather(state[0]["exp_avg"].reshape(1, -1))
     assert (avg == avg[0]).all()
-    named = copy.deepcopy(list(model.named_parameters()))
+    named = [(n, p.detach() + hvd.rank()) for n, p in model.named_parameters()]  # differ per rank
     hvd.broadcast_parameters(named, root_rank=hvd.size() - 1)
+    for (n, p), q in zip(named, model.parameters()):
+        assert torch.equal(p, q.detach() + (hvd.size() - 1)), n

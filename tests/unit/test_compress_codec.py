@@ -3,7 +3,7 @@ round trips at every size boundary; untrusted payloads; sizes near 2^31."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stella_mpi import _native

@@ -2,8 +2,6 @@
 import subprocess
 import sys
 
-import pytest
-
 from mpi_launch import ROOT
 
 SCRIPT = r'''
