@@ -91,10 +91,10 @@ _GLOO_UNSUPPORTED = (torch.int16,)
 def _with_fallback(method):
     name = method.__name__
 
-    def wrapper(self, buf, *args):
+    def wrapper(self, buf, *args, **kwargs):
         if buf.dtype in _GLOO_UNSUPPORTED and self.name == "gloo":
-            return getattr(self.fallback, name)(buf, *args)
-        return method(self, buf, *args)
+            return getattr(self.fallback, name)(buf, *args, **kwargs)
+        return method(self, buf, *args, **kwargs)
     wrapper.__name__ = name
     wrapper.__doc__ = method.__doc__
     return wrapper
