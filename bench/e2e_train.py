@@ -2,7 +2,13 @@
 seed and steps under PyTorch DDP (gloo, flat over all ranks: the baseline users have today)
 or under stella_mpi (dense hierarchical, sparse with a compressor, or the CPU engine).
 
-Launched by stellarun (usually with --wan RATE); rank 0 writes a JSON line per step to --out.
+Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
+Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
+measured under the same launch and the same CPU contention as the other modes.
+
+With --target-loss the run stops at the first step where the mean training loss (over ranks,
+then over the last --window steps) is at or below the target, and records the wall-clock time
+and step it got there: time to a target loss is measured, not extrapolated.
 
 Workloads: "comm" -- a ~25M-parameter MLP on random data with a small batch (communication
 dominates); "lm" -- the byte-level language model on Python's standard-library sources
@@ -14,6 +20,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -52,11 +59,14 @@ def ddp_setup(model):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, help="ddp, dense, sparse:<compressor>, cpu:<compressor>")
+    p.add_argument("--mode", required=True, help="compute, ddp, dense, sparse:<compressor>, cpu:<compressor>")
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
+    p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
+    p.add_argument("--window", type=int, default=10, help="steps averaged for --target-loss")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -65,10 +75,12 @@ def main():
     if args.workload == "comm":
         model, task = comm_heavy_model(), RandomTask(rank, 8)
     else:
-        model, task = ByteMLP(32, hidden=256), ByteBatches(load_corpus(), 32, 64, seed=1 + rank)
+        model, task = ByteMLP(32, hidden=args.hidden), ByteBatches(load_corpus(), 32, 64, seed=1 + rank)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     hvd = None
-    if args.mode == "ddp":
+    if args.mode == "compute":
+        net = model
+    elif args.mode == "ddp":
         net = ddp_setup(model)
     else:
         import stella_mpi as hvd
@@ -83,7 +95,7 @@ def main():
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
         net = model
     vx, vy = task.validation()
-    records = []
+    records, reached = [], None
     MPI.COMM_WORLD.Barrier()
     t0 = time.perf_counter()
     last = t0
@@ -94,9 +106,16 @@ def main():
         loss.backward()
         opt.step()
         now = time.perf_counter()
-        wan = hvd.stats()["last_step"]["wan_bytes_sent"] if hvd else None
-        avg = MPI.COMM_WORLD.allreduce(loss.item()) / size
-        records.append({"step": step, "loss": avg, "step_s": now - last, "elapsed_s": now - t0, "wan_bytes_rank": wan})
+        wan = hvd.stats()["last_step"]["wan_bytes_sent"] if hvd else 0
+        # one allreduce for the mean loss and the WAN bytes every rank sent (the bookkeeping is
+        # outside the timed step)
+        loss_sum, wan_all = MPI.COMM_WORLD.allreduce(np.array([loss.item(), wan], dtype=np.float64))
+        records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": now - t0,
+                        "wan_bytes_rank": wan if hvd else None, "wan_bytes_all": wan_all if hvd else None})
+        if args.target_loss is not None and step >= args.window and reached is None:
+            if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
+                reached = {"step": step, "elapsed_s": now - t0}
+                break
         last = time.perf_counter()
     if hvd and args.mode.startswith("cpu"):
         opt.drain()
@@ -105,6 +124,8 @@ def main():
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val,
+                       "target_loss": args.target_loss, "window": args.window, "reached": reached,
+                       "clusters": hvd.num_clusters() if hvd else None,
                        "parameters": sum(q.numel() for q in model.parameters()),
                        "wan_rate_bps": float(os.environ.get("STELLA_WAN_RATE_BPS", "0") or 0),
                        "wan_mode": os.environ.get("STELLA_WAN_MODE", "none")}, f)

@@ -7,8 +7,10 @@
     stellarun -np 4 --clusters 2 --wan 500mbit --wan-schedule "60:100mbit,120:500mbit" python train.py
 
 With --wan, each cluster's ranks run in their own network namespace and cross-cluster
-traffic crosses veth links shaped with tc (root needed); MPICH is told to use TCP for all
-traffic (MPIR_CVAR_NOLOCAL=1, ofi/tcp) and gloo to bind the namespace's interface. Without
+traffic crosses veth links shaped with tc (root needed). Each cluster is started as its own
+MPI "host" (hydra's fork launcher with one host name per cluster), so MPICH keeps traffic
+inside a cluster on shared memory, as on a real node, and sends cross-cluster traffic over
+TCP (ofi/tcp) through the namespace's interface; gloo binds that interface too. Without
 the rights for that, cross-cluster sends are paced in user space at the same rate instead
 (stella_mpi's own traffic only). stellarun says which mode it used and removes every
 namespace, link and qdisc it made on every exit path.
@@ -38,8 +40,14 @@ def cluster_sizes(np_, nclusters):
     return [q + (1 if i < r else 0) for i in range(nclusters)]
 
 
-WAN_MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
-               "FI_TCP_IFACE": "wan0", "GLOO_SOCKET_IFNAME": "wan0"}
+WAN_MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "wan0",
+               "GLOO_SOCKET_IFNAME": "wan0"}
+
+
+def wan_hosts(sizes):
+    """hydra host list naming one pretend host per cluster: with the fork launcher every
+    "host" runs here, and MPICH treats each as its own node (shared memory inside it only)."""
+    return ",".join("stella-wan%d:%d" % (c, n) for c, n in enumerate(sizes))
 
 
 def build_wan_command(args, emu):
@@ -61,6 +69,8 @@ def build_wan_command(args, emu):
         env["STELLA_WAN_PACE_BPS"] = str(int(parse_rate(args.wan) / max(cluster_sizes(np_, clusters))))
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
+    if emu is not None:
+        cmd += ["-launcher", "fork", "-hosts", wan_hosts(cluster_sizes(np_, clusters))]
     cmd += list(args.mpi_args or [])
     for c, n in enumerate(cluster_sizes(np_, clusters)):
         if c:
@@ -76,7 +86,7 @@ def run_with_wan(args):
     """Set up the emulated WAN, run mpirun under it, and always tear it down."""
     import signal
     import subprocess
-    from .wan import WanEmulation, namespaces_available, parse_rate, parse_schedule
+    from .wan import WanEmulation, namespaces_available, parse_rate, parse_schedule, reap_stale
     if not args.np:
         raise SystemExit("stellarun: give the number of ranks with -np N")
     clusters = args.clusters or 2
@@ -89,6 +99,9 @@ def run_with_wan(args):
     ok, why = namespaces_available()
     emu = None
     if ok:
+        stale = reap_stale()
+        if stale:
+            print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
         emu = WanEmulation(clusters, rate, schedule)
     elif schedule:
         raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)

@@ -162,3 +162,18 @@ def leftovers(pid=None):
     lpat = re.compile(r"\d+: (st(?:br|h)%s[^:@]*)" % (str(pid % 100000) if pid else ""))
     found += [m.group(1) for m in lpat.finditer(links)]
     return found
+
+
+def reap_stale():
+    """Remove what launchers that no longer run left behind (a launcher killed with SIGKILL
+    cannot clean up after itself). Names carry the launcher's pid; returns what was removed."""
+    removed = []
+    for ns in _run(["ip", "netns", "list"], check=False).stdout.split():
+        m = re.fullmatch(r"stella(\d+)c\d+", ns)
+        if m and not os.path.exists("/proc/%s" % m.group(1)):
+            _run(["ip", "netns", "del", ns], check=False)   # takes its veth pair with it
+            removed.append(ns)
+            bridge = "stbr%d" % (int(m.group(1)) % 100000)
+            if _run(["ip", "link", "del", bridge], check=False).returncode == 0:
+                removed.append(bridge)
+    return removed

@@ -41,6 +41,7 @@ def test_cross_cluster_traffic_is_shaped_and_cleaned_up():
     cross, intra = _rates(out, "cross"), _rates(out, "intra")
     assert cross and 50 < cross[0] < 110, out
     assert intra and intra[0] > 2 * cross[0], out
+    assert "rank 0 shares memory with 2 ranks" in out   # its cluster, not the whole machine
     assert leftovers() == []
 
 
@@ -70,6 +71,8 @@ def test_dry_run_builds_one_mpmd_part_per_cluster():
     cmd = proc.stdout
     assert cmd.count(" : ") == 1 and "STELLA_CLUSTER wan0" in cmd and "STELLA_CLUSTER wan1" in cmd
     assert "-n 3" in cmd and "-n 2" in cmd
+    if ok:   # one pretend host per cluster, so MPICH keeps intra-cluster traffic on shared memory
+        assert "-launcher fork -hosts stella-wan0:3,stella-wan1:2" in cmd
 
 
 def test_bad_rates_are_refused():

@@ -10,6 +10,9 @@ c = MPI.COMM_WORLD
 r, n = c.Get_rank(), c.Get_size()
 nbytes = int(float(sys.argv[1]) * 1e6) if len(sys.argv) > 1 else 6_250_000
 repeat_at = [float(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0.0]
+node_size = c.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+if r == 0:   # MPICH sees each cluster as its own node: shared memory inside it, the link across
+    print("rank 0 shares memory with %d ranks" % node_size, flush=True)
 buf = np.zeros(nbytes // 8, dtype=np.float64)
 start = time.monotonic()
 for at in repeat_at:
