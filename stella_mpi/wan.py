@@ -3,6 +3,10 @@ namespace, joined through a bridge by veth pairs shaped with ``tc ... tbf`` in b
 directions, so cross-cluster traffic crosses a link of the given rate while traffic inside a
 cluster stays in its namespace. Used by ``stellarun --wan``.
 
+With a one-way delay (``--wan-delay``; this kernel has no netem) the namespaces are joined by
+TUN interfaces instead, and a forwarder thread of the launcher (:mod:`.tunlink`) carries the
+packets between them after the delay; tbf still shapes what each cluster sends.
+
 Needs root (or CAP_NET_ADMIN) and ``ip``/``tc``; :func:`namespaces_available` says whether
 they work here. Everything created is named after the launcher's pid and removed by
 :meth:`WanEmulation.close`, which the launcher calls on every exit path.
@@ -41,6 +45,21 @@ def parse_schedule(text):
     return out
 
 
+_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_delay(text):
+    """'30ms' -> 0.03 seconds (units us, ms, s; '0' is no delay)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or (unit not in _DELAY_UNITS and not (unit == "" and float(m.group(1)) == 0)):
+        raise ValueError("delay %r: use a non-negative number and one of us, ms, s (e.g. 30ms)" % (text,))
+    seconds = float(m.group(1)) * _DELAY_UNITS.get(unit, 0.0)
+    if seconds > 10:
+        raise ValueError("delay %r is more than 10 s" % (text,))
+    return seconds
+
+
 def _run(cmd, check=True):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -69,13 +88,17 @@ def _burst_bytes(bps):
 
 
 class WanEmulation:
-    """Namespaces ``stella<pid>c<i>`` with interface ``wan0`` at 10.213.<k>.<i+1>/24."""
+    """Namespaces ``stella<pid>c<i>`` with interface ``wan0`` at 10.213.<k>.<i+1>/24.
 
-    def __init__(self, nclusters, rate_bps, schedule=None):
+    ``delay_s`` > 0 joins them through TUN devices and a delaying forwarder instead of a bridge."""
+
+    def __init__(self, nclusters, rate_bps, schedule=None, delay_s=0.0):
         self.pid = os.getpid()
         self.nclusters = nclusters
         self.rate_bps = rate_bps
         self.schedule = schedule or []
+        self.delay_s = float(delay_s)
+        self.forwarder = None
         self.subnet = 10 + self.pid % 240
         self.namespaces = ["stella%dc%d" % (self.pid, c) for c in range(nclusters)]
         self.bridge = "stbr%d" % (self.pid % 100000)
@@ -89,6 +112,8 @@ class WanEmulation:
         return "10.213.%d.%d" % (self.subnet, c + 1)
 
     def setup(self):
+        if self.delay_s > 0:
+            return self._setup_tun()
         try:
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             self._created.append(("link", self.bridge))
@@ -110,14 +135,62 @@ class WanEmulation:
         except Exception:
             self.close()
             raise
+        return self._start_schedule()
+
+    def _setup_tun(self):
+        """Each namespace's ``wan0`` is a TUN device whose fd the forwarder thread holds."""
+        from .tunlink import TUN_MTU, DelayForwarder, open_tun
+        try:
+            routes = {}
+            for c, ns in enumerate(self.namespaces):
+                _run(["ip", "netns", "add", ns])
+                self._created.append(("netns", ns))
+                tun = "stt%d_%d" % (self.pid % 100000, c)
+                fd = open_tun(tun)
+                self._created.append(("fd", fd))
+                routes[self.address(c)] = fd
+                _run(["ip", "link", "set", tun, "netns", ns])
+                _run(["ip", "-n", ns, "link", "set", tun, "name", "wan0"])
+                _run(["ip", "-n", ns, "link", "set", "wan0", "mtu", str(TUN_MTU)])
+                _run(["ip", "-n", ns, "addr", "add", self.address(c) + "/24", "dev", "wan0"])
+                _run(["ip", "-n", ns, "link", "set", "wan0", "up"])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                self._tcp_buffers(ns)
+            self._shape("add", self.rate_bps)
+            self.forwarder = DelayForwarder(routes, self.delay_s).start()
+            self._created.append(("forwarder", self.forwarder))
+        except Exception:
+            self.close()
+            raise
+        return self._start_schedule()
+
+    def _tcp_buffers(self, ns):
+        """TCP must keep a bandwidth-delay product in flight: raise the namespace's buffer
+        limits to 4x the BDP of the fastest rate of the run where they are lower."""
+        fastest = max([self.rate_bps] + [bps for _, bps in self.schedule])
+        need = int(4 * fastest / 8 * 2 * self.delay_s)
+        for key in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
+            now = _run(["ip", "netns", "exec", ns, "sysctl", "-n", key]).stdout.split()
+            if len(now) == 3 and int(now[2]) < need:
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "%s=%s %s %d" % (key, now[0], now[1], need)])
+
+    def _start_schedule(self):
         if self.schedule:
             self._thread = threading.Thread(target=self._follow_schedule, daemon=True)
             self._thread.start()
         return self
 
     def _shape(self, verb, bps):
-        burst = str(_burst_bytes(bps))
+        burst = _burst_bytes(bps)
         rate = "%dbit" % int(bps)
+        if self.delay_s > 0:
+            # TUN mode: shape what each cluster sends; tbf drops packets larger than its burst
+            from .tunlink import TUN_MTU
+            for ns in self.namespaces:
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "wan0", "root", "tbf", "rate", rate,
+                      "burst", str(max(burst, 2 * TUN_MTU)), "latency", "200ms"])
+            return
+        burst = str(burst)
         for ns, host_if in zip(self.namespaces, self.host_ifs):
             # into the cluster (host side egress) and out of it (namespace side egress)
             _run(["tc", "qdisc", verb, "dev", host_if, "root", "tbf", "rate", rate, "burst", burst,
@@ -146,7 +219,11 @@ class WanEmulation:
         """Remove everything this emulation created (safe to call more than once)."""
         self._stop.set()
         for kind, name in reversed(self._created):
-            if kind == "netns":
+            if kind == "forwarder":
+                name.stop()
+            elif kind == "fd":
+                os.close(name)   # a TUN device goes away with its last fd
+            elif kind == "netns":
                 _run(["ip", "netns", "del", name], check=False)
             else:
                 _run(["ip", "link", "del", name], check=False)
@@ -159,6 +236,6 @@ def leftovers(pid=None):
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
     pat = "stella%d" % pid if pid else "stella"
     found = [n for n in ns if n.startswith(pat)]
-    lpat = re.compile(r"\d+: (st(?:br|h)%s[^:@]*)" % (str(pid % 100000) if pid else ""))
+    lpat = re.compile(r"\d+: (st(?:br|h|t)%s[^:@]*)" % (str(pid % 100000) if pid else ""))
     found += [m.group(1) for m in lpat.finditer(links)]
     return found
