@@ -23,6 +23,7 @@ _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 TUN_MTU = 65000
+QUEUE_LIMIT_S = 0.2   # the longest a packet may wait for its destination's link (tbf "latency")
 
 
 def open_tun(name):
@@ -44,12 +45,20 @@ class DelayForwarder:
     """Forwards packets between TUN fds by IPv4 destination, each ``delay_s`` after arrival.
 
     ``routes`` maps a destination address ("10.213.5.2") to the fd of the TUN in the namespace
-    that owns it. Packets leave in arrival order (one constant delay, a FIFO with due times);
-    packets for unknown destinations and non-IPv4 packets are dropped."""
+    that owns it. Packets for unknown destinations and non-IPv4 packets are dropped.
 
-    def __init__(self, routes, delay_s):
+    tbf shapes what a cluster sends; the forwarder shapes what a cluster receives, at
+    ``rate_bps`` with ``burst`` bytes of tolerance (a GCRA shaper per destination), so that with
+    3+ clusters two senders cannot push more than the link rate into one cluster; a packet that
+    would wait longer than QUEUE_LIMIT_S is dropped. A packet
+    leaves at max(arrival + delay, the time its destination's link is free): per destination
+    these times never decrease, so packets keep their order."""
+
+    def __init__(self, routes, delay_s, rate_bps, burst):
         self.routes = {socket.inet_aton(a): fd for a, fd in routes.items()}
         self.delay_s = float(delay_s)
+        self.rate_bps = float(rate_bps)   # the schedule may change it while running
+        self.burst = burst
         self.forwarded = 0
         self.dropped = 0
         self._wake_r, self._wake_w = os.pipe()
@@ -75,8 +84,9 @@ class DelayForwarder:
         for fd in set(self.routes.values()):
             sel.register(fd, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
-        held = []   # (due, seq, out fd, packet): seq keeps arrival order among equal due times
+        held = []   # (leave at, seq, out fd, packet): seq keeps arrival order among equal times
         seq = 0
+        link_free = {}   # out fd -> GCRA theoretical arrival time of its next packet
         try:
             while not self._stop:
                 timeout = max(0.0, held[0][0] - time.monotonic()) if held else None
@@ -93,7 +103,13 @@ class DelayForwarder:
                         if out is None:
                             self.dropped += 1
                             continue
-                        heapq.heappush(held, (due, seq, out, pkt))
+                        tat = max(link_free.get(out, 0.0), due)
+                        leave = max(due, tat - self.burst * 8 / self.rate_bps)
+                        if leave - due > QUEUE_LIMIT_S:   # a full queue drops, as tbf's does
+                            self.dropped += 1
+                            continue
+                        link_free[out] = tat + len(pkt) * 8 / self.rate_bps
+                        heapq.heappush(held, (leave, seq, out, pkt))
                         seq += 1
                 now = time.monotonic()
                 while held and held[0][0] <= now:

@@ -157,7 +157,7 @@ class WanEmulation:
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
                 self._tcp_buffers(ns)
             self._shape("add", self.rate_bps)
-            self.forwarder = DelayForwarder(routes, self.delay_s).start()
+            self.forwarder = DelayForwarder(routes, self.delay_s, self.rate_bps, self._tun_burst(self.rate_bps)).start()
             self._created.append(("forwarder", self.forwarder))
         except Exception:
             self.close()
@@ -176,6 +176,11 @@ class WanEmulation:
             value = "%d %d %d" % (low, max(default, start), max(high, 4 * bdp))
             _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "%s=%s" % (key, value)])
 
+    @staticmethod
+    def _tun_burst(bps):
+        from .tunlink import TUN_MTU
+        return max(_burst_bytes(bps), 2 * TUN_MTU)   # tbf drops packets larger than its burst
+
     def _start_schedule(self):
         if self.schedule:
             self._thread = threading.Thread(target=self._follow_schedule, daemon=True)
@@ -183,16 +188,16 @@ class WanEmulation:
         return self
 
     def _shape(self, verb, bps):
-        burst = _burst_bytes(bps)
         rate = "%dbit" % int(bps)
         if self.delay_s > 0:
-            # TUN mode: shape what each cluster sends; tbf drops packets larger than its burst
-            from .tunlink import TUN_MTU
+            # TUN mode: tbf shapes what each cluster sends, the forwarder what it receives
             for ns in self.namespaces:
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "wan0", "root", "tbf", "rate", rate,
-                      "burst", str(max(burst, 2 * TUN_MTU)), "latency", "200ms"])
+                      "burst", str(self._tun_burst(bps)), "latency", "200ms"])
+            if self.forwarder is not None:
+                self.forwarder.rate_bps = bps
             return
-        burst = str(burst)
+        burst = str(_burst_bytes(bps))
         for ns, host_if in zip(self.namespaces, self.host_ifs):
             # into the cluster (host side egress) and out of it (namespace side egress)
             _run(["tc", "qdisc", verb, "dev", host_if, "root", "tbf", "rate", rate, "burst", burst,

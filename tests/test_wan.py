@@ -150,6 +150,27 @@ def test_delay_gives_the_round_trip_and_keeps_the_rate():
     assert leftovers(os.getpid()) == []   # namespaces gone; the TUN devices with them and their fds
 
 
+@needs_netns
+def test_delayed_link_limits_what_one_cluster_receives_from_two():
+    from stella_mpi.wan import WanEmulation, leftovers
+    probe = os.path.join(ROOT, "tests", "scripts", "tcp_probe.py")
+    emu = WanEmulation(3, 100e6, delay_s=0.01).setup()
+    try:
+        srvs = [subprocess.Popen(emu.exec_prefix(0) + [sys.executable, probe, "serve", emu.address(0), str(5310 + c)],
+                                 stdout=subprocess.PIPE, text=True) for c in (1, 2)]
+        for s in srvs:
+            assert s.stdout.readline().strip() == "ready"
+        clis = [subprocess.Popen(emu.exec_prefix(c) + [sys.executable, probe, "measure", emu.address(0), str(5310 + c),
+                                                       "2", "12"], stdout=subprocess.PIPE, text=True) for c in (1, 2)]
+        rates = [float(re.search(r"mbit_s ([0-9.]+)", c.communicate(timeout=60)[0]).group(1)) for c in clis]
+        for s in srvs:
+            s.communicate(timeout=20)
+    finally:
+        emu.close()
+    assert 60 < sum(rates) < 140, rates   # both senders share cluster 0's 100 Mbit/s link (each alone: ~95)
+    assert leftovers(os.getpid()) == []
+
+
 def _stellarun_bg(*args):
     exe = os.path.join(os.path.dirname(sys.executable), "stellarun")
     return subprocess.Popen([exe] + list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
