@@ -50,7 +50,7 @@ def _exchange_payloads(pset, comm, payload, what):
     pieces = [out[int(d):int(d) + int(s)] for d, s in zip(displs, sizes)]
     sent = int(sizes[me]) * (nranks - 1) + 8 * (nranks - 1)
     received = total - int(sizes[me]) + 8 * (nranks - 1)
-    wan_pace(max(sent, received), started)
+    wan_pace(max(sent, received), started, rounds=2)
     return pieces, sent, received
 
 
@@ -66,7 +66,7 @@ def _swap_payload(pset, comm, partner, payload, what):
     theirs = torch.empty(int(size[0]), dtype=torch.uint8)
     dl.wait_all([comm.Isend(payload.numpy(), dest=partner, tag=92),
                  comm.Irecv(theirs.numpy(), source=partner, tag=92)], what)
-    wan_pace(max(payload.numel(), theirs.numel()) + 8, started)
+    wan_pace(max(payload.numel(), theirs.numel()) + 8, started, rounds=2)
     return theirs, payload.numel() + 8, theirs.numel() + 8
 
 

@@ -5,6 +5,7 @@
     stellarun -np 8 -f hosts --cluster-of nodeA=lab --cluster-of nodeB=lab python train.py
     stellarun -np 4 --clusters 2 --wan 100mbit python train.py          # emulated WAN, one host
     stellarun -np 4 --clusters 2 --wan 500mbit --wan-schedule "60:100mbit,120:500mbit" python train.py
+    stellarun -np 4 --clusters 2 --wan 100mbit --wan-delay 30ms python train.py   # and 30 ms one way
 
 With --wan, each cluster's ranks run in their own network namespace and cross-cluster
 traffic crosses veth links shaped with tc (root needed). Each cluster is started as its own
@@ -13,7 +14,10 @@ inside a cluster on shared memory, as on a real node, and sends cross-cluster tr
 TCP (ofi/tcp) through the namespace's interface; gloo binds that interface too. Without
 the rights for that, cross-cluster sends are paced in user space at the same rate instead
 (stella_mpi's own traffic only). stellarun says which mode it used and removes every
-namespace, link and qdisc it made on every exit path.
+namespace, link and qdisc it made on every exit path. --wan-delay adds a one-way delay on the
+cross-cluster path in user space (no netem needed): the namespaces are then joined by TUN
+devices and a forwarder thread of stellarun, or, when pacing, each paced exchange is
+stretched by the delay.
 
 Everything after the options is the command; mpirun options stellarun does not know can be
 given after ``--mpi-args``. stellarun only prepares the environment and runs mpirun: the
@@ -67,6 +71,8 @@ def build_wan_command(args, emu):
         env["STELLA_WAN_MODE"] = "paced"
         # a cluster's ranks share its link: each paces at its share
         env["STELLA_WAN_PACE_BPS"] = str(int(parse_rate(args.wan) / max(cluster_sizes(np_, clusters))))
+        if args.wan_delay:
+            env["STELLA_WAN_PACE_DELAY_S"] = repr(args.wan_delay)
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
     if emu is not None:
@@ -96,13 +102,14 @@ def run_with_wan(args):
         raise SystemExit("stellarun: no command to run")
     rate = parse_rate(args.wan)
     schedule = parse_schedule(args.wan_schedule) if args.wan_schedule else []
+    delay = args.wan_delay
     ok, why = namespaces_available()
     emu = None
     if ok:
         stale = reap_stale()
         if stale:
             print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
-        emu = WanEmulation(clusters, rate, schedule)
+        emu = WanEmulation(clusters, rate, schedule, delay_s=delay)
     elif schedule:
         raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
     cmd = build_wan_command(args, emu)
@@ -111,11 +118,13 @@ def run_with_wan(args):
         return 0
     if emu is not None:
         emu.setup()
-        print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links (tc tbf)"
-              % (clusters, rate / 1e6), flush=True)
+        print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links (tc tbf)%s"
+              % (clusters, rate / 1e6, ", %g ms one-way delay (TUN devices, user-space forwarder)" % (delay * 1e3)
+                 if delay else ""), flush=True)
     else:
-        print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s "
-              "(network namespaces unavailable: %s)" % (rate / 1e6, why), flush=True)
+        print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s%s "
+              "(network namespaces unavailable: %s)"
+              % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why), flush=True)
     proc = None
 
     def forward(signum, frame):
@@ -166,6 +175,14 @@ def build_command(args):
     return cmd + list(args.command)
 
 
+def _delay(text):
+    from .wan import parse_delay
+    try:
+        return parse_delay(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="stellarun", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -179,6 +196,8 @@ def parse(argv):
     p.add_argument("--mpi-args", nargs=argparse.ONE_OR_MORE, help="extra arguments passed to mpirun as they are")
     p.add_argument("--wan", metavar="RATE", help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
     p.add_argument("--wan-schedule", metavar="T:RATE,...", help="change the WAN rate at these seconds")
+    p.add_argument("--wan-delay", metavar="DELAY", type=_delay, default=0.0,
+                   help="one-way delay on the emulated WAN (e.g. 30ms)")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p.parse_args(argv)
@@ -188,8 +207,8 @@ def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.wan:
         return run_with_wan(args)
-    if args.wan_schedule:
-        raise SystemExit("stellarun: --wan-schedule needs --wan RATE")
+    if args.wan_schedule or args.wan_delay:
+        raise SystemExit("stellarun: --wan-schedule and --wan-delay need --wan RATE")
     cmd = build_command(args)
     if args.dry_run:
         print(" ".join(cmd))

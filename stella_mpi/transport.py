@@ -133,17 +133,21 @@ def allreduce_max(comm, values, deadline, what):
 
 
 _PACE_BPS = None
+_PACE_DELAY_S = 0.0
 
 
-def wan_pace(nbytes, started):
+def wan_pace(nbytes, started, rounds=1):
     """User-space WAN emulation (``stellarun --wan`` without network namespaces): stretch a
     cross-cluster exchange of ``nbytes`` that began at ``started`` (time.monotonic()) to the
-    time it would take at ``STELLA_WAN_PACE_BPS`` bits per second."""
-    global _PACE_BPS
+    time it would take at ``STELLA_WAN_PACE_BPS`` bits per second, plus the one-way delay
+    ``STELLA_WAN_PACE_DELAY_S`` once per message round (``rounds``: messages that must arrive
+    one after the other, e.g. sizes then payload)."""
+    global _PACE_BPS, _PACE_DELAY_S
     if _PACE_BPS is None:
         _PACE_BPS = float(os.environ.get("STELLA_WAN_PACE_BPS", "0") or 0)
+        _PACE_DELAY_S = float(os.environ.get("STELLA_WAN_PACE_DELAY_S", "0") or 0)
     if _PACE_BPS <= 0 or nbytes <= 0:
         return
-    left = nbytes * 8 / _PACE_BPS - (time.monotonic() - started)
+    left = nbytes * 8 / _PACE_BPS + rounds * _PACE_DELAY_S - (time.monotonic() - started)
     if left > 0:
         time.sleep(left)

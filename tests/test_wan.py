@@ -3,8 +3,10 @@ applies, and nothing is left behind (also when a rank fails). Skips where networ
 namespaces are not allowed."""
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +29,11 @@ def _stellarun(*args, timeout=180):
     return subprocess.run([exe] + list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def _stellarun_bg(*args):
+    exe = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    return subprocess.Popen([exe] + list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _rates(out, what):
     return [float(m.group(1)) for m in re.finditer(r"%s at \d+ s: ([0-9.]+) Mbit/s" % what, out)]
 
@@ -34,15 +41,15 @@ def _rates(out, what):
 @needs_netns
 def test_cross_cluster_traffic_is_shaped_and_cleaned_up():
     from stella_mpi.wan import leftovers
-    proc = _stellarun("-np", "4", "--clusters", "2", "--wan", "100mbit", sys.executable, "tests/scripts/wan_probe.py", "6")
-    out = proc.stdout + proc.stderr
+    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", sys.executable, "tests/scripts/wan_probe.py", "6")
+    out = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "network namespaces" in out
     cross, intra = _rates(out, "cross"), _rates(out, "intra")
     assert cross and 50 < cross[0] < 110, out
     assert intra and intra[0] > 2 * cross[0], out
     assert "rank 0 shares memory with 2 ranks" in out   # its cluster, not the whole machine
-    assert leftovers() == []
+    assert leftovers(proc.pid) == []   # this run's: other jobs on the machine may have their own
 
 
 @needs_netns
@@ -59,10 +66,11 @@ def test_rate_schedule_changes_the_link():
 @needs_netns
 def test_cleanup_after_a_failing_rank():
     from stella_mpi.wan import leftovers
-    proc = _stellarun("-np", "4", "--clusters", "2", "--wan", "100mbit", "--timeout", "20", sys.executable,
-                      "tests/scripts/faulty_rank.py", "raise")
+    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--timeout", "20", sys.executable,
+                         "tests/scripts/faulty_rank.py", "raise")
+    proc.communicate(timeout=180)
     assert proc.returncode != 0
-    assert leftovers() == []
+    assert leftovers(proc.pid) == []
 
 
 def test_dry_run_builds_one_mpmd_part_per_cluster():
@@ -82,3 +90,146 @@ def test_bad_rates_are_refused():
         parse_rate("fast")
     with pytest.raises(ValueError, match="ascend"):
         parse_schedule("60:100mbit,10:1gbit")
+
+
+# ---------------- --wan-delay ----------------
+
+def test_delay_parsing():
+    from stella_mpi.wan import parse_delay
+    assert parse_delay("30ms") == pytest.approx(0.03)
+    assert parse_delay("0.03s") == pytest.approx(0.03)
+    assert parse_delay("250us") == pytest.approx(250e-6)
+    assert parse_delay(" 5 MS ") == pytest.approx(0.005)
+    assert parse_delay("0") == 0.0
+    for bad in ("-5ms", "30", "fast", "", "30 parsecs", "1e3ms", "20s"):
+        with pytest.raises(ValueError, match="delay"):
+            parse_delay(bad)
+
+
+def test_bad_delay_is_refused_by_stellarun(capsys):
+    from stella_mpi import launcher
+    for bad in ("--wan-delay=-30ms", "--wan-delay=soon"):
+        with pytest.raises(SystemExit) as e:
+            launcher.main(["-np", "2", "--wan", "100mbit", bad, "--dry-run", "python", "x.py"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--wan-delay" in err and "non-negative" in err, err
+    with pytest.raises(SystemExit, match="need --wan RATE"):
+        launcher.main(["-np", "2", "--wan-delay", "30ms", "python", "x.py"])
+
+
+def test_paced_mode_passes_the_delay_and_wan_pace_applies_it(monkeypatch):
+    from stella_mpi import launcher, transport
+    args = launcher.parse(["-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "40ms", "python", "x.py"])
+    cmd = launcher.build_wan_command(args, None)
+    assert cmd[cmd.index("STELLA_WAN_PACE_DELAY_S") + 1] == "0.04"
+    monkeypatch.setenv("STELLA_WAN_PACE_BPS", "1e9")
+    monkeypatch.setenv("STELLA_WAN_PACE_DELAY_S", "0.04")
+    monkeypatch.setattr(transport, "_PACE_BPS", None)   # re-read the environment
+    started = time.monotonic()
+    transport.wan_pace(1000, started, rounds=2)          # 8 us of transfer, two one-way delays
+    assert 0.08 <= time.monotonic() - started < 0.5
+
+
+def _probe_rtt_and_rate(emu, mb):
+    probe = os.path.join(ROOT, "tests", "scripts", "tcp_probe.py")
+    srv = subprocess.Popen(emu.exec_prefix(0) + [sys.executable, probe, "serve", emu.address(0), "5301"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready"
+        cli = subprocess.run(emu.exec_prefix(1) + [sys.executable, probe, "measure", emu.address(0), "5301", "10",
+                                                   str(mb)], capture_output=True, text=True, timeout=60)
+        served = srv.communicate(timeout=20)[0]
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    assert cli.returncode == 0, cli.stderr
+    rtt_min = float(re.search(r"rtt_ms ([0-9.]+)", cli.stdout).group(1))
+    return rtt_min, float(re.search(r"steady_mbit_s ([0-9.]+)", served).group(1))
+
+
+@needs_netns
+def test_delay_gives_the_round_trip_and_keeps_the_rate():
+    from stella_mpi.wan import WanEmulation, leftovers
+    emu = WanEmulation(2, 100e6, delay_s=0.03).setup()
+    try:
+        rtt, rate = _probe_rtt_and_rate(emu, 8)
+        thread = emu.forwarder._thread
+    finally:
+        emu.close()
+    assert 60 <= rtt < 75, rtt            # 2 x 30 ms plus the forwarder's scheduling
+    assert 70 < rate < 110, rate          # TCP keeps the 750 KB bandwidth-delay product in flight
+    assert not thread.is_alive()
+    assert leftovers(os.getpid()) == []   # namespaces gone; the TUN devices with them and their fds
+
+
+@needs_netns
+def test_delayed_link_limits_what_one_cluster_receives_from_two():
+    from stella_mpi.wan import WanEmulation, leftovers
+    probe = os.path.join(ROOT, "tests", "scripts", "tcp_probe.py")
+    emu = WanEmulation(3, 100e6, delay_s=0.01).setup()
+    try:
+        srvs = [subprocess.Popen(emu.exec_prefix(0) + [sys.executable, probe, "serve", emu.address(0), str(5310 + c)],
+                                 stdout=subprocess.PIPE, text=True) for c in (1, 2)]
+        for s in srvs:
+            assert s.stdout.readline().strip() == "ready"
+        clis = [subprocess.Popen(emu.exec_prefix(c) + [sys.executable, probe, "measure", emu.address(0), str(5310 + c),
+                                                       "2", "12"], stdout=subprocess.PIPE, text=True) for c in (1, 2)]
+        rates = [float(re.search(r"mbit_s ([0-9.]+)", c.communicate(timeout=60)[0]).group(1)) for c in clis]
+        for s in srvs:
+            s.communicate(timeout=20)
+    finally:
+        emu.close()
+    assert 60 < sum(rates) < 140, rates   # both senders share cluster 0's 100 Mbit/s link (each alone: ~95)
+    assert leftovers(os.getpid()) == []
+
+
+@needs_netns
+def test_mpi_job_across_a_delayed_link():
+    from stella_mpi.wan import leftovers
+    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "60",
+                         sys.executable, "tests/scripts/wan_latency.py")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "30 ms one-way delay" in out and "allreduce ok: 6" in out, out[-3000:]
+    cross = float(re.search(r"cross rtt ms: ([0-9.]+)", out).group(1))
+    intra = float(re.search(r"intra rtt ms: ([0-9.]+)", out).group(1))
+    assert 60 <= cross < 200 and intra < 30, out[-3000:]   # loose tops: a loaded 2-core machine
+    assert leftovers(proc.pid) == []
+
+
+@needs_netns
+def test_delayed_link_is_removed_after_a_failing_rank():
+    from stella_mpi.wan import leftovers
+    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "20",
+                         sys.executable, "tests/scripts/faulty_rank.py", "raise")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "boom on purpose" in out, out[-3000:]
+    assert leftovers(proc.pid) == []
+
+
+@needs_netns
+def test_delayed_link_is_removed_after_ctrl_c():
+    from stella_mpi.wan import leftovers
+    proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms",
+                         sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)")
+    for line in proc.stdout:
+        if "started" in line:
+            break
+    assert leftovers(proc.pid), "the emulation should exist while the job runs"
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert leftovers(proc.pid) == []
+
+
+@needs_netns
+def test_reap_stale_removes_what_a_killed_launcher_left():
+    from stella_mpi.wan import leftovers, reap_stale
+    dead = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists("/proc/%d" % p)
+                and not any(os.path.exists("/proc/%d" % q) for q in range(p % 100000, 4_200_000, 100000)))
+    subprocess.run(["ip", "netns", "add", "stella%dc0" % dead], check=True)
+    subprocess.run(["ip", "link", "add", "stbr%d" % (dead % 100000), "type", "bridge"], check=True)
+    assert leftovers(dead)
+    removed = reap_stale()
+    assert "stella%dc0" % dead in removed and "stbr%d" % (dead % 100000) in removed
+    assert leftovers(dead) == []
