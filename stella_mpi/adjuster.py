@@ -13,7 +13,9 @@ Cost model (per optimizer step, P = backward passes per step, d = density)::
     overlap  : step(d, P) = max(P * compute, fixed + wire(d))       (CPU engine, staleness 1)
 
 ``fixed`` is what the step costs beyond compute and the wire (selection, merge, intra-cluster
-reduction, optimizer); the constants are re-fitted from each window. The bandwidth of a
+reduction, optimizer); the constants are re-fitted from each window. ``latency`` is at least
+the measured latency of a tiny message, and more when the exchange time has a part that does
+not grow with the payload (fitted through windows of different payloads, see fit_overhead). The bandwidth of a
 shard channel (the ranks owning the same shard in every cluster) is bytes over the *shortest*
 exchange time among its members: the member that arrived last did not wait for a late peer,
 so its time is the transfer itself. The bottleneck channel decides. Each estimate is the
@@ -39,6 +41,7 @@ from typing import Optional, Tuple
 ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", "exchange_s", "engine_s",
               "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
+HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Estimate:
     """What one decision is based on (medians over the window)."""
     compute_s: float            # forward + backward of one pass, slowest rank
     fixed_s: float              # step cost beyond compute and wire
-    latency_s: float            # per message
+    latency_s: float            # per message, payload-independent overhead included
     messages: float             # per step
     bytes_per_density: float    # wire bytes per step and unit density, bottleneck channel
     bandwidth_bps: float        # bottleneck shard channel, bits/s
@@ -150,14 +153,31 @@ def sample_from_rows(rows, overlap):
         transfer = max(secs - msgs * latency, 1e-6)
         channels.append((nbytes, msgs, secs, 8.0 * nbytes / transfer))
     nbytes, msgs, secs, bw = min(channels, key=lambda c: c[3])
-    wire = msgs * latency + 8.0 * nbytes / bw
     if overlap:
-        fixed = max(r[F["engine_s"]] for r in rows) - wire
+        rest = max(r[F["engine_s"]] for r in rows) - secs
     else:
-        fixed = step - compute * rows[0][F["passes"]] - wire   # selection, merge, optimizer, waits
-    return {"compute_s": compute, "fixed_s": max(fixed, 0.0), "latency_s": latency, "messages": msgs,
-            "bytes_per_density": nbytes / density, "bandwidth_bps": bw,
-            "wan_bandwidth_bps": sum(c[3] for c in channels), "step_s": step}
+        rest = step - compute * rows[0][F["passes"]] - secs   # selection, merge, optimizer, waits
+    return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
+            "bytes": nbytes, "exchange_s": secs, "bytes_per_density": nbytes / density,
+            "share": bw / sum(c[3] for c in channels), "step_s": step}
+
+
+def fit_overhead(history, floor):
+    """Per-step cost of the exchange that does not grow with the payload (message latency,
+    waking up, polling): the median intercept of the lines through pairs of samples whose
+    payloads differ by 1.5x or more, kept between ``floor`` (the measured latency) and 80 %
+    of the fastest exchange. Without such pairs: ``floor``."""
+    cuts = []
+    for i, a in enumerate(history):
+        for b in history[i + 1:]:
+            lo, hi = (a, b) if a["bytes"] < b["bytes"] else (b, a)
+            if hi["bytes"] >= 1.5 * lo["bytes"] > 0:
+                slope = (hi["exchange_s"] - lo["exchange_s"]) / (hi["bytes"] - lo["bytes"])
+                if slope > 0:
+                    cuts.append(lo["exchange_s"] - slope * lo["bytes"])
+    if not cuts:
+        return floor
+    return min(max(_median(cuts), floor), 0.8 * min(h["exchange_s"] for h in history))
 
 
 def split_batch(global_batch, throughput, current, tolerance=0.1):
@@ -217,9 +237,21 @@ class Controller:
                                                           abs(math.log(self.rungs[i][1] / self.density))))
 
     def estimate(self):
-        keys = ("compute_s", "fixed_s", "latency_s", "messages", "bytes_per_density", "bandwidth_bps",
-                "wan_bandwidth_bps", "step_s")
-        return Estimate(**{k: _median([h[k] for h in self.history]) for k in keys})
+        """Medians over the recent windows; the payload-independent overhead is fitted over a
+        longer history (it is the machine's, not the link's, so it survives a rate change)."""
+        recent = self.history[-int(self.settings.window):]
+        lat = _median([h["latency_s"] for h in recent])
+        msgs = _median([h["messages"] for h in recent])
+        overhead = fit_overhead(self.history, msgs * lat)
+        bws = [8.0 * h["bytes"] / max(h["exchange_s"] - overhead, 1e-6) for h in recent]
+        bw = _median(bws)
+        wire_now = [overhead + 8.0 * h["bytes"] / bw for h in recent]
+        fixed = _median([max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)])
+        return Estimate(compute_s=_median([h["compute_s"] for h in recent]), fixed_s=fixed,
+                        latency_s=overhead / msgs if msgs else lat, messages=msgs,
+                        bytes_per_density=_median([h["bytes_per_density"] for h in recent]), bandwidth_bps=bw,
+                        wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
+                        step_s=_median([h["step_s"] for h in recent]))
 
     def predict(self, est, passes, density):
         wire = est.messages * est.latency_s + 8.0 * est.bytes_per_density * density / est.bandwidth_bps
@@ -243,7 +275,7 @@ class Controller:
         if sample is None:
             return self._decide(self.density, self.passes, batch, batch_reason or "no cross-cluster traffic yet",
                                 None, None)
-        self.history = (self.history + [sample])[-int(s.window):]
+        self.history = (self.history + [sample])[-max(int(s.window), HISTORY):]
         est = self.estimate()
         cur = self._rung()
         h = s.hysteresis
