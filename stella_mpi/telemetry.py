@@ -104,6 +104,8 @@ class AdjustSession:
         """Step ``step - 1`` is done (``step`` steps completed). Returns the Decision that
         takes effect from the next step, or None."""
         now = time.perf_counter()
+        c = self.controller
+        self._stats.annotate(adjust_density=c.density, adjust_passes=c.passes)   # what this step ran with
         if self._t_end is not None and self._collecting:
             step_s = now - self._t_end
             inside = now - self._t_enter if self._t_enter is not None else 0.0
@@ -164,7 +166,7 @@ class AdjustSession:
         self.trace.append({"step": step, "rows": rows.tolist(), "decided_density": d.density,
                            "decided_passes": d.passes})
         est = d.estimate
-        self._stats.annotate(adjust_density=d.density, adjust_passes=d.passes, adjust_reason=d.reason,
+        self._stats.annotate(adjust_reason=d.reason, adjust_next_density=d.density,
                              adjust_step=step if d.changed else self._stats.info().get("adjust_step", 0),
                              wan_bandwidth_bps=est.wan_bandwidth_bps if est else None,
                              wan_latency_s=est.latency_s if est else None,
