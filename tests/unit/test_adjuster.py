@@ -189,3 +189,46 @@ def test_recorded_trace():
     assert got == [w["decided_density"] for w in trace["windows"]]
     steps = list(zip(got, got[1:]))
     assert any(b < a for a, b in steps) and any(b > a for a, b in steps)
+
+
+ADJUSTER_REFUSALS = r'''
+import torch, stella_mpi as hvd
+hvd.init()
+model = torch.nn.Linear(4, 2)
+
+def refused(match, **kw):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), **kw)
+    except ValueError as e:
+        assert match in str(e), (match, str(e))
+    else:
+        raise SystemExit("not refused: %r" % (kw,))
+
+refused("sparse compressor", adjuster=hvd.Adjuster())
+refused("sparse compressor", compression=hvd.Compression.fp16, adjuster=hvd.Adjuster())
+refused("hvd.Adjuster", compression=hvd.Compression.topk(density=0.01), adjuster={"min_density": 0.01})
+refused("allow_accumulation", compression=hvd.Compression.topk(density=0.01), engine="cpu",
+        adjuster=hvd.Adjuster(allow_accumulation=True))
+try:
+    hvd.Compression.topk(density=0.01).with_density(1.5)
+except ValueError as e:
+    assert "density" in str(e)
+else:
+    raise SystemExit("with_density(1.5) not refused")
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.topk(density=0.01), adjuster=hvd.Adjuster())
+model(torch.ones(3, 4)).sum().backward()
+opt.step()   # one process: nothing to adjust, nothing breaks
+assert opt.adjust_decisions == [] and opt.local_batch_size() is None
+hvd.shutdown()
+print("OK")
+'''
+
+
+def test_optimizer_refuses_bad_adjuster_use():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", ADJUSTER_REFUSALS], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(HERE)))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
