@@ -1,6 +1,7 @@
 """One training run for the end-to-end comparison (bench/run_e2e.py): the same model, data,
 seed and steps under PyTorch DDP (gloo, flat over all ranks: the baseline users have today)
-or under stella_mpi (dense hierarchical, sparse with a compressor, or the CPU engine).
+or under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, or a sparse
+compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>").
 
 Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
 Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
@@ -59,7 +60,8 @@ def ddp_setup(model):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, help="compute, ddp, dense, sparse:<compressor>, cpu:<compressor>")
+    p.add_argument("--mode", required=True, help="compute, ddp, dense, sparse:<compressor>, cpu:<compressor>, "
+                                                 "adapt:<compressor>, cpuadapt:<compressor>")
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
@@ -67,6 +69,11 @@ def main():
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
     p.add_argument("--window", type=int, default=10, help="steps averaged for --target-loss")
+    p.add_argument("--min-density", type=float, default=1e-3)
+    p.add_argument("--max-density", type=float, default=0.1)
+    p.add_argument("--target", type=float, default=1.2, help="adjuster: step time / compute time allowed")
+    p.add_argument("--decisions-out", help="adapt modes: every rank writes its decisions and telemetry "
+                                           "to this path + '.rank<N>'")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -88,11 +95,15 @@ def main():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         kind, _, comp_name = args.mode.partition(":")
         comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
-        if kind == "cpu":
+        adjuster = None
+        if kind in ("adapt", "cpuadapt"):
+            adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target)
+        if kind in ("cpu", "cpuadapt"):
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                           engine="cpu", staleness=1, model=model)
+                                           engine="cpu", staleness=1, model=model, adjuster=adjuster)
         else:
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
+                                           adjuster=adjuster)
         net = model
     vx, vy = task.validation()
     records, reached = [], None
@@ -102,16 +113,23 @@ def main():
     for step in range(1, args.steps + 1):
         x, y = task.next()
         opt.zero_grad()
+        c0 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
+        compute = time.perf_counter() - c0
         opt.step()
         now = time.perf_counter()
-        wan = hvd.stats()["last_step"]["wan_bytes_sent"] if hvd else 0
-        # one allreduce for the mean loss and the WAN bytes every rank sent (the bookkeeping is
-        # outside the timed step)
+        st = hvd.stats()["last_step"] if hvd else {}
+        wan = st.get("wan_bytes_sent", 0)
+        # the mean loss and the WAN bytes every rank sent in one allreduce, the slowest rank's
+        # compute time in another (the bookkeeping is outside the timed step)
         loss_sum, wan_all = MPI.COMM_WORLD.allreduce(np.array([loss.item(), wan], dtype=np.float64))
+        compute_max = MPI.COMM_WORLD.allreduce(compute, op=MPI.MAX)
         records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": now - t0,
-                        "wan_bytes_rank": wan if hvd else None, "wan_bytes_all": wan_all if hvd else None})
+                        "compute_s": compute_max, "wan_bytes_rank": wan if hvd else None,
+                        "wan_bytes_all": wan_all if hvd else None,
+                        "density": st.get("adjust_density", st.get("density")),
+                        "wan_bandwidth_bps": st.get("wan_bandwidth_bps")})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
                 reached = {"step": step, "elapsed_s": now - t0}
@@ -119,6 +137,11 @@ def main():
         last = time.perf_counter()
     if hvd and args.mode.startswith("cpu"):
         opt.drain()
+    if hvd and args.decisions_out and getattr(opt, "_adjust", None) is not None:
+        with open("%s.rank%d" % (args.decisions_out, rank), "w") as f:
+            json.dump({"decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
+                       "trace": opt._adjust.trace, "settings": vars(opt._adjust.settings),
+                       "overlap": opt._adjust.controller.overlap, "start_density": opt._adjust.start_density}, f)
     with torch.no_grad():
         val = MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size
     if rank == 0:

@@ -8,6 +8,7 @@ from .api import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   broadcast_, broadcast_async, broadcast_async_, grouped_allgather, grouped_allreduce,
                   grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                   join, poll, reducescatter, reducescatter_async, sparse_allreduce_async, synchronize)
+from .adjuster import Adjuster  # noqa: F401
 from .compression import Compression  # noqa: F401
 from .errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401

@@ -18,6 +18,7 @@ Exactly the required update is applied (not a newer one that happens to be ready
 every rank computes with the same parameters.
 """
 import logging
+import time
 
 import torch
 
@@ -68,6 +69,7 @@ class _Bucket:
 def execute_cpu_update(pset, desc, inputs, joined):
     """Engine thread: reduce, (select/exchange/merge), optimizer step, all-gather (module docstring)."""
     grad, bucket, comp, memory, stats, pool, lr, catch_up = inputs
+    started = time.perf_counter()
     topo, hier = pset.topology, pset.hierarchy
     step, size = desc["step"], pset.nranks
     cs = topo.cluster_size
@@ -93,6 +95,7 @@ def execute_cpu_update(pset, desc, inputs, joined):
         hier.intra.allgather_into(bucket.master, counts, staged)
     else:
         staged.copy_(bucket.master)
+    stats.add(engine_s=time.perf_counter() - started)
     return step
 
 
@@ -102,7 +105,8 @@ EXECUTORS["cpu_update"] = (execute_cpu_update, None)
 class _CpuEngineOptimizer(torch.optim.Optimizer):
     """Methods of the optimizer DistributedOptimizer returns with engine="cpu"."""
 
-    def __init__(self, params, named_parameters, compression, staleness, semantics, process_set, base):
+    def __init__(self, params, named_parameters, compression, staleness, semantics, process_set, base,
+                 adjuster=None):
         super(self.__class__, self).__init__(params)
         if staleness not in (0, 1):
             raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
@@ -145,6 +149,11 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         log.debug("rank %d: CPU engine workers pinned to cores %s", runtime.rank(), list(self._pool.cores))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._module_hooks = []
+        self._adjust = None
+        if adjuster is not None:
+            from .telemetry import AdjustSession
+            self._adjust = AdjustSession(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
+            self._compression = self._adjust.compression
 
     # -------- model hooks
 
@@ -175,7 +184,10 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             if handle is None:
                 raise HorovodInternalError("CPU engine: the update of step %d for bucket %d was never launched"
                                            % (s, bucket.index))
+            t0 = time.perf_counter()
             api.synchronize(handle)
+            if self._adjust is not None:
+                self._adjust.idle(time.perf_counter() - t0)
             staged = bucket.staged[s % 2]
             off = 0
             with torch.no_grad():
@@ -235,6 +247,8 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        if self._adjust is not None:
+            self._adjust.enter()
         self.synchronize()
         self._steps += 1
         self._next_launch = 0
@@ -245,7 +259,18 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             for b in self._buckets:
                 self._apply_through(b, need)
         runtime.current().wan_stats.end_step()
+        if self._adjust is not None and self._adjust.end_step(self._steps, 1) is not None:
+            self._compression = self._adjust.compression
         return loss
+
+    def local_batch_size(self):
+        """Samples per pass for this rank under the adjuster's batch split, or None."""
+        return self._adjust.batch if self._adjust is not None else None
+
+    @property
+    def adjust_decisions(self):
+        """[(step, Decision)] taken by the adjuster so far (the same list on every rank)."""
+        return list(self._adjust.decisions) if self._adjust is not None else []
 
     def drain(self):
         """Wait for every launched update and put it in the parameters."""
@@ -302,7 +327,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
 
 
 def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,
-                              model=None):
+                              model=None, adjuster=None):
     if type(optimizer) not in SUPPORTED:
         raise ValueError("engine='cpu' runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in C; "
                          "%s is not supported (use engine=None for any optimizer)" % type(optimizer).__name__)
@@ -310,7 +335,7 @@ def make_cpu_engine_optimizer(optimizer, named_parameters, compression, stalenes
     cls._stella_base_class = optimizer.__class__
     cls._user_optimizer = optimizer
     opt = cls(optimizer.param_groups, list(named_parameters) if named_parameters is not None else None,
-              compression, staleness, semantics, process_set, optimizer.__class__)
+              compression, staleness, semantics, process_set, optimizer.__class__, adjuster)
     if model is not None:
         opt.attach(model)
     return opt

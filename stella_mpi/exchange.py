@@ -202,6 +202,7 @@ def _allgather_reduce(pset, comm, sel, comp, ctx, name, n, comm_kind, stats):
 def execute_sparse_allreduce(pset, desc, inputs, joined):
     """inputs: (tensors, outputs, compressor, memory, stats). float32, op sum or average."""
     tensors, outputs, comp, memory, stats = inputs
+    started = time.perf_counter()
     topo = pset.topology
     hier = pset.hierarchy
     buf, direct = fuse(tensors, outputs, torch.float32)
@@ -236,6 +237,7 @@ def execute_sparse_allreduce(pset, desc, inputs, joined):
             hier.intra.bcast(buf, root=0)
     if not direct:
         unfuse(buf, outputs)
+    stats.add(engine_s=time.perf_counter() - started)
     return outputs
 
 

@@ -9,6 +9,7 @@ in the background while backward goes on. Buckets are launched strictly in
 bucket order, so every rank submits the same collectives in the same order
 whatever order its hooks fire in.
 """
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -56,7 +57,7 @@ class _Bucket:
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         self._sparse = bool(getattr(compression, "sparse", False))
@@ -104,6 +105,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if process_set.included() and runtime.size() > 1:
             for p in self._params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._adjust = None
+        if adjuster is not None and process_set.included() and runtime.size() > 1:
+            from .telemetry import AdjustSession
+            self._adjust = AdjustSession(adjuster, compression, process_set, overlap=False,
+                                         passes=backward_passes_per_step)
+            self._compression = self._adjust.compression
 
     # ---------------- buckets ----------------
 
@@ -196,12 +203,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._process_set.included() or runtime.size() == 1:
             self._synchronized = True
             return
+        if self._adjust is not None:
+            self._adjust.enter()
         for bucket in self._buckets:
             bucket.pending.clear()
         launch_in_order(self, force=True)
         for bucket in self._buckets:
             if bucket.handle is not None:
+                t0 = time.perf_counter()
                 synchronize(bucket.handle)
+                if self._adjust is not None:
+                    self._adjust.idle(time.perf_counter() - t0)
                 for p, (c, ctx) in zip(bucket.params, bucket.compressed):
                     out = c if ctx is None else self._compression.decompress(c, ctx)
                     if out is not p.grad:
@@ -234,7 +246,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "your code.")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        if self._adjust is None:
+            return super(self.__class__, self).step(closure)
+        t0 = time.perf_counter()
+        loss = super(self.__class__, self).step(closure)
+        self._adjust.optimizer_time(time.perf_counter() - t0)
+        decision = self._adjust.end_step(self._step_count, self.backward_passes_per_step)
+        if decision is not None:
+            self._compression = self._adjust.compression
+            if decision.passes != self.backward_passes_per_step:
+                self.set_backward_passes_per_step(decision.passes)
+        return loss
+
+    def local_batch_size(self):
+        """Samples per backward pass for this rank: the adjuster's batch split
+        (``hvd.Adjuster(batch_split=True, global_batch=N)``), or None without one."""
+        return self._adjust.batch if self._adjust is not None else None
+
+    @property
+    def adjust_decisions(self):
+        """[(step, Decision)] taken by the adjuster so far (the same list on every rank)."""
+        return list(self._adjust.decisions) if self._adjust is not None else []
 
     def zero_grad(self, set_to_none=True):
         if any(b.handle is not None for b in self._buckets):
@@ -263,7 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
-                         cpu_semantics="exact", model=None):
+                         cpu_semantics="exact", model=None, adjuster=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -271,17 +303,37 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``engine="cpu"`` (stella_mpi's CPU engine, see cpu_engine.py) applies SGD/Adam/AdamW in C on
     a pinned worker pool to a float32 master copy of each rank's shard, with ``staleness`` 0
     (synchronous) or 1 (the update of step t runs while step t+1 computes; pass ``model=`` so
-    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy"."""
+    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy".
+
+    ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
+    re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
+    rank at the same step (stella_mpi/adjuster.py). With ``allow_accumulation=True`` it may
+    raise ``backward_passes_per_step`` when even ``min_density`` cannot be hidden: run
+    ``opt.backward_passes_per_step`` backward passes before each ``step()``. Learning rate:
+    gradients of the passes are summed (Horovod's semantics), so with an unscaled loss SGD
+    already follows the linear scaling rule (lr x passes on the mean gradient of the larger
+    batch); if your loss is divided by the number of passes, multiply lr by it yourself.
+    With ``batch_split=True`` read ``opt.local_batch_size()`` each step and weight this rank's
+    loss by ``local_batch_size * size() / global_batch`` so the average stays a sample mean."""
     runtime.current("hvd.DistributedOptimizer")
+    from .adjuster import Adjuster
+    if adjuster is not None and not isinstance(adjuster, Adjuster):
+        raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
+    if adjuster is not None and not getattr(compression, "sparse", False):
+        raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
+                         "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
     if engine not in (None, "cpu"):
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
     if engine == "cpu":
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
                              "backward_passes_per_step=1, gradient_predivide_factor=1.0")
+        if adjuster is not None and getattr(adjuster, "allow_accumulation", False):
+            raise ValueError("engine='cpu' runs one backward pass per step: use an Adjuster with "
+                             "allow_accumulation=False")
         from .cpu_engine import make_cpu_engine_optimizer
         return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
-                                         process_set, model)
+                                         process_set, model, adjuster)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:
@@ -291,4 +343,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     cls._stella_base_class = optimizer.__class__
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster)

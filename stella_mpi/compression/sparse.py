@@ -16,6 +16,7 @@ Use::
 compressor (a block or a random draw would be too coarse), k = max(1,
 round(density * numel)).
 """
+import copy
 import math
 import threading
 from dataclasses import dataclass
@@ -94,6 +95,17 @@ class SparseCompressor(Compressor):
 
     def settings(self):
         return (self.name, self.density, self.value_dtype, self.error_feedback) + self._extra_settings()
+
+    def with_density(self, density):
+        """A copy that sends ``density`` of the entries and shares this one's per-tensor
+        selection state (the adjuster switches density between steps; collectives already
+        queued keep the compressor they were launched with)."""
+        density = float(density)
+        if not (0.0 < density <= 1.0):
+            raise ValueError("density must be in (0, 1], got %r" % density)
+        other = copy.copy(self)
+        other.density = density
+        return other
 
     def _extra_settings(self):
         return ()

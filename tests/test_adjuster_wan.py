@@ -1,0 +1,44 @@
+"""The adjuster over the emulated WAN with a rate schedule (500 -> 100 -> 500 Mbit/s): real
+ranks, a real model; every rank takes the same decisions at the same steps, and the density
+does move. Skips where network namespaces are not allowed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpi_launch import ROOT
+from test_wan import needs_netns
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+@needs_netns
+def test_all_ranks_switch_at_the_same_step(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    dec = str(tmp_path / "dec")
+    cmd = [exe, "-np", "4", "--clusters", "2", "--wan", "500mbit", "--wan-schedule", "15:100mbit,35:500mbit",
+           "--timeout", "240", sys.executable, "bench/e2e_train.py", "--mode", "adapt:cacheaware",
+           "--workload", "lm", "--hidden", "2048", "--steps", "60", "--target", "3", "--density", "0.1",
+           "--out", str(tmp_path / "run.json"), "--decisions-out", dec]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "WAN rate now 100 Mbit/s" in out and "WAN rate now 500 Mbit/s" in out
+    ranks = []
+    for r in range(4):
+        with open("%s.rank%d" % (dec, r)) as f:
+            ranks.append(json.load(f)["decisions"])
+    assert all(d == ranks[0] for d in ranks[1:]), "ranks decided differently"
+    densities = [d for _, d, _, _ in ranks[0]]
+    assert len(ranks[0]) >= 10 and len(set(densities)) >= 2, ranks[0]
+    # what each step ran with (hvd.stats) matches the decision in effect, on rank 0
+    with open(tmp_path / "run.json") as f:
+        records = json.load(f)["records"]
+    in_effect = {s: d for s, d, _, _ in ranks[0]}
+    current = None
+    for rec in records:
+        current = in_effect.get(rec["step"] - 1, current)
+        if current is not None:
+            assert rec["density"] == pytest.approx(current), rec

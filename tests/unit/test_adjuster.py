@@ -1,0 +1,234 @@
+"""The adjuster's controller on synthetic traces (a closed loop: the simulated link answers the
+density the controller chose) and on a trace recorded over the emulated WAN."""
+import json
+import os
+import random
+
+import pytest
+
+from stella_mpi.adjuster import ROW_FIELDS, Adjuster, Controller, split_batch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# 2 clusters x 2 ranks; bytes per step and unit density like a 25M-parameter model's shard
+BYTES_PER_DENSITY = 60e6
+
+
+def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise=0.0, rng=None,
+         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1)):
+    """One window of telemetry rows as the plumbing would gather them."""
+    rng = rng or random.Random(0)
+
+    def jit():
+        return 1.0 + (rng.uniform(-noise, noise) if noise else 0.0)
+    msgs = 4
+    wire = msgs * latency + 8 * BYTES_PER_DENSITY * density / bw_bps
+    out = []
+    comps = [compute * passes * batch[r] / 16 / speed[r] * jit() for r in range(4)]
+    step = max(comps) + fixed + wire * jit()     # the slowest rank paces a synchronous step
+    for r in range(4):
+        comp = comps[r]
+        exch = wire * jit() + (skew if r // 2 == 0 else 0.0)   # cluster 0 arrives early, waits
+        vals = {"steps": 2, "step_s": step, "compute_s": comp, "idle_s": wire,
+                "optimizer_s": 0.01, "cpu_s": 0.02, "exchange_s": exch, "engine_s": fixed + exch,
+                "wan_bytes": BYTES_PER_DENSITY * density, "wan_messages": msgs, "latency_s": latency * jit(),
+                "batch": batch[r], "density": density, "passes": passes, "cluster": r // 2, "group": r % 2}
+        out.append([float(vals[k]) for k in ROW_FIELDS])
+    return out
+
+
+def run(ctrl, bws, noise=0.0, seed=1, **kw):
+    """Closed loop over a bandwidth trace; returns the decisions."""
+    rng = random.Random(seed)
+    out = []
+    for bw in bws:
+        out.append(ctrl.observe(rows(bw, ctrl.density, ctrl.passes, noise=noise, rng=rng, **kw)))
+    return out
+
+
+def settings(**kw):
+    base = dict(min_density=1e-3, max_density=0.1)
+    base.update(kw)
+    return Adjuster(**base)
+
+
+def test_ladder_and_budget():
+    s = settings()
+    levels = s.densities()
+    assert levels[0] == 1e-3 and levels[-1] == 0.1 and list(levels) == sorted(levels)
+    ctrl = Controller(s)
+    d = run(ctrl, [500e6] * 6)[-1]
+    # the chosen density keeps the predicted step within the target, and the next level would not
+    assert d.predicted_step_s <= s.target * d.estimate.compute_s * (1 + s.hysteresis)
+    i = levels.index(d.density)
+    assert i + 1 < len(levels)
+    assert ctrl.predict(d.estimate, 1, levels[i + 1]) > s.target * d.estimate.compute_s * (1 - s.hysteresis)
+
+
+def test_monotone_in_bandwidth():
+    bws = [10e6 * 1.5 ** i for i in range(16)]
+    final = []
+    for bw in bws:
+        ctrl = Controller(settings())
+        final.append(run(ctrl, [bw] * 8)[-1].density)
+    assert final == sorted(final), final
+    assert final[0] == 1e-3 and final[-1] == 0.1
+    # one decision from the same state and history: never a higher density for less bandwidth
+    for start in settings().densities():
+        got = []
+        for bw in bws:
+            ctrl = Controller(settings(), density=start)
+            got.append(ctrl.observe(rows(bw, start)).density)
+        assert got == sorted(got), (start, got)
+
+
+def test_stable_under_noisy_constant_bandwidth():
+    levels = settings().densities()
+    for bw in (60e6, 100e6, 250e6, 500e6):
+        ref = run(Controller(settings()), [bw] * 10)[-1].density          # what a noiseless link gets
+        ctrl = Controller(settings())
+        decisions = run(ctrl, [bw] * 200, noise=0.25, seed=int(bw))    # +-25 % on every timing
+        changes = [i for i, d in enumerate(decisions) if d.changed and i >= 5]
+        assert len(changes) <= 1, (bw, changes)
+        assert all(abs(levels.index(d.density) - levels.index(ref)) <= 1 for d in decisions[5:])
+
+
+def test_single_outlier_is_ignored():
+    ctrl = Controller(settings())
+    run(ctrl, [500e6] * 6)
+    before = ctrl.density
+    d = ctrl.observe(rows(20e6, before))      # one window 25x slower
+    assert not d.changed and d.density == before
+    d = run(ctrl, [500e6] * 3)
+    assert all(not x.changed for x in d)
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_reacts_to_a_step_change_within_bound(window):
+    s = settings(window=window)
+    ctrl = Controller(s)
+    trace = [500e6] * 20 + [100e6] * 20 + [500e6] * 20
+    ds = [d.density for d in run(ctrl, trace, noise=0.05)]
+    bound = window // 2 + 1       # windows until the median has moved
+    high, low = ds[19], ds[39]
+    levels = s.densities()
+    assert low < high
+    # down at once when the median moves; up one window later (two windows must agree), to
+    # the level the dead band allows (within one level of where it came from)
+    assert ds[20 + bound - 1] == low and ds[20 + bound - 2] == high, ds
+    up = ds[40 + bound]
+    assert up > low and levels.index(up) >= levels.index(high) - 1 and ds[40 + bound - 1] == low, ds
+    assert len(set(ds[20 + bound:40])) == 1 and len(set(ds[41 + bound:])) <= 2
+
+
+def test_accumulation_when_min_density_cannot_be_hidden():
+    slow = [2e6] * 10
+    plain = Controller(settings())
+    d = run(plain, slow)[-1]
+    assert d.density == 1e-3 and d.passes == 1 and "cannot hide" in d.reason
+    acc = Controller(settings(allow_accumulation=True, max_backward_passes=8))
+    d = run(acc, slow)[-1]
+    assert d.density == 1e-3 and 1 < d.passes <= 8
+    assert d.predicted_step_s <= 1.2 * d.passes * d.estimate.compute_s * 1.15
+    # bandwidth back: accumulation is given up before density goes up
+    d = run(acc, [500e6] * 10)
+    assert d[-1].passes == 1 and d[-1].density > 1e-3
+    assert all(x.passes == 1 or x.density == 1e-3 for x in d)
+
+
+def test_overlap_hides_more_than_sync():
+    a, b = Controller(settings()), Controller(settings(), overlap=True)
+    ds, do = run(a, [100e6] * 6)[-1].density, run(b, [100e6] * 6)[-1].density
+    assert do > ds
+
+
+def test_batch_split_follows_throughput():
+    s = settings(batch_split=True, global_batch=64)
+    ctrl = Controller(s)
+    speed = (2, 2, 1, 1)   # cluster 0 twice as fast
+    batch = (16, 16, 16, 16)
+    for _ in range(4):
+        d = ctrl.observe(rows(500e6, ctrl.density, batch=batch, speed=speed))
+        batch = d.batch
+    assert sum(batch) == 64 and batch[0] == batch[1] and batch[2] == batch[3]
+    assert abs(batch[0] / batch[2] - 2.0) < 0.2, batch
+    # no churn once balanced
+    d = ctrl.observe(rows(500e6, ctrl.density, batch=batch, speed=speed, noise=0.05))
+    assert d.batch == batch
+
+
+def test_split_batch_properties():
+    assert split_batch(10, [1, 1], None) == (5, 5)
+    assert sum(split_batch(101, [3, 1, 1], None)) == 101
+    assert split_batch(4, [100, 1, 1, 1], None) == (1, 1, 1, 1)   # at least one each
+    assert split_batch(20, [1.05, 1.0], (10, 10)) == (10, 10)       # small gain: keep
+    with pytest.raises(ValueError):
+        split_batch(2, [1, 1, 1], None)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(min_density=0.2, max_density=0.1), "larger than max_density"),
+    (dict(min_density=0.0), "min_density"),
+    (dict(max_density=1.5), "max_density"),
+    (dict(target=0.5), "target"),
+    (dict(batch_split=True), "global_batch"),
+    (dict(hysteresis=0.7), "hysteresis"),
+])
+def test_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        settings(**kw)
+
+
+def test_recorded_trace():
+    """Rows gathered by 4 ranks over stellarun --wan with a 500 -> 100 -> 500 Mbit/s schedule
+    (command in the file): replayed, the controller decides exactly what the ranks decided,
+    and the density went both down and up."""
+    with open(os.path.join(HERE, "..", "data", "adjuster_trace.json")) as f:
+        trace = json.load(f)
+    ctrl = Controller(Adjuster(**trace["settings"]), overlap=trace["overlap"], density=trace["start_density"])
+    got = [ctrl.observe(w["rows"]).density for w in trace["windows"]]
+    assert got == [w["decided_density"] for w in trace["windows"]]
+    steps = list(zip(got, got[1:]))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps)
+
+
+ADJUSTER_REFUSALS = r'''
+import torch, stella_mpi as hvd
+hvd.init()
+model = torch.nn.Linear(4, 2)
+
+def refused(match, **kw):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), **kw)
+    except ValueError as e:
+        assert match in str(e), (match, str(e))
+    else:
+        raise SystemExit("not refused: %r" % (kw,))
+
+refused("sparse compressor", adjuster=hvd.Adjuster())
+refused("sparse compressor", compression=hvd.Compression.fp16, adjuster=hvd.Adjuster())
+refused("hvd.Adjuster", compression=hvd.Compression.topk(density=0.01), adjuster={"min_density": 0.01})
+refused("allow_accumulation", compression=hvd.Compression.topk(density=0.01), engine="cpu",
+        adjuster=hvd.Adjuster(allow_accumulation=True))
+try:
+    hvd.Compression.topk(density=0.01).with_density(1.5)
+except ValueError as e:
+    assert "density" in str(e)
+else:
+    raise SystemExit("with_density(1.5) not refused")
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.topk(density=0.01), adjuster=hvd.Adjuster())
+model(torch.ones(3, 4)).sum().backward()
+opt.step()   # one process: nothing to adjust, nothing breaks
+assert opt.adjust_decisions == [] and opt.local_batch_size() is None
+hvd.shutdown()
+print("OK")
+'''
+
+
+def test_optimizer_refuses_bad_adjuster_use():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", ADJUSTER_REFUSALS], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(HERE)))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
