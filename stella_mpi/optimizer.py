@@ -263,7 +263,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
-                         cpu_semantics="exact", model=None):
+                         cpu_semantics="exact", model=None, staleness_warmup=0, stale_prediction=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -281,7 +281,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              "backward_passes_per_step=1, gradient_predivide_factor=1.0")
         from .cpu_engine import make_cpu_engine_optimizer
         return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
-                                         process_set, model)
+                                         process_set, model, staleness_warmup, stale_prediction)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:
