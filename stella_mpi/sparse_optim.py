@@ -417,8 +417,15 @@ class SparseSGD(SparseOptimizer):
     def _lookahead_one(self, s, out):
         hp = self._hp
         w = s.flat
-        d = w * float(hp["weight_decay"]) if hp["weight_decay"] else torch.zeros_like(w)
-        mu = float(hp["momentum"])
+        mu, wd = float(hp["momentum"]), float(hp["weight_decay"])
+        if not wd:  # the common case in one pass: w - lr * mu * buf (nesterov: mu**2)
+            if mu:
+                torch.add(w, s.bufs["momentum_buffer"], alpha=-float(hp["lr"]) * mu * (mu if hp["nesterov"] else 1.0),
+                          out=out)
+            else:
+                out.copy_(w)
+            return
+        d = w * wd
         if mu:
             buf = s.bufs["momentum_buffer"] * mu + d * (1.0 - float(hp["dampening"]))
             d = d + buf * mu if hp["nesterov"] else buf
