@@ -271,7 +271,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``engine="cpu"`` (stella_mpi's CPU engine, see cpu_engine.py) applies SGD/Adam/AdamW in C on
     a pinned worker pool to a float32 master copy of each rank's shard, with ``staleness`` 0
     (synchronous) or 1 (the update of step t runs while step t+1 computes; pass ``model=`` so
-    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy"."""
+    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy".
+    With staleness 1, ``stale_prediction`` (default: on with exact semantics) gives the forward the
+    master weights one zero-gradient step ahead, and ``staleness_warmup=K`` runs the first K steps
+    synchronously (see cpu_engine.py)."""
     runtime.current("hvd.DistributedOptimizer")
     if engine not in (None, "cpu"):
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
