@@ -35,6 +35,10 @@ def main():
     parser.add_argument("--engine", choices=["torch", "cpu"], default="torch",
                         help="cpu: stella_mpi's C optimizer on pinned cores with a CPU master copy")
     parser.add_argument("--staleness", type=int, default=1, help="CPU engine: 0 synchronous, 1 overlapped")
+    parser.add_argument("--staleness-warmup", type=int, default=0,
+                        help="CPU engine: run the first N steps synchronously before staleness 1")
+    parser.add_argument("--no-stale-prediction", action="store_true",
+                        help="CPU engine, staleness 1: give the forward the master weights, not the prediction")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
     args = parser.parse_args()
 
@@ -60,6 +64,8 @@ def main():
     if args.engine == "cpu":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, engine="cpu", staleness=args.staleness,
+                                             staleness_warmup=args.staleness_warmup,
+                                             stale_prediction=False if args.no_stale_prediction else None,
                                              model=model)
     else:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),

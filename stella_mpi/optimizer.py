@@ -295,7 +295,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
-                         cpu_semantics="exact", model=None, adjuster=None):
+                         cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
+                         stale_prediction=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -304,6 +305,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     a pinned worker pool to a float32 master copy of each rank's shard, with ``staleness`` 0
     (synchronous) or 1 (the update of step t runs while step t+1 computes; pass ``model=`` so
     that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy".
+    With staleness 1, ``stale_prediction`` (default: on with exact semantics) gives the forward the
+    master weights one zero-gradient step ahead, and ``staleness_warmup=K`` runs the first K steps
+    synchronously (see cpu_engine.py).
 
     ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
     re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
@@ -333,7 +337,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              "allow_accumulation=False")
         from .cpu_engine import make_cpu_engine_optimizer
         return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
-                                         process_set, model, adjuster)
+                                         process_set, model, adjuster, staleness_warmup, stale_prediction)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:

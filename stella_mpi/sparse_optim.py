@@ -328,6 +328,31 @@ class SparseOptimizer:
         tasks = self._tasks([(lib.STELLA_TASK_CATCH_UP, s, None) for s in self._states], self.step_count)
         pool.run(tasks, keepalive=(self._hstruct,), timeout_ms=timeout_ms)
 
+    def lookahead(self, outs=None, caught_up=False):
+        """The parameters one more step ahead with a zero gradient: the part of the next update
+        that is already known (momentum, weight decay) before the next gradient arrives. Used by
+        the CPU engine to predict the weights a one-step-stale forward should have. EXACT only,
+        after at least one step (every coordinate is caught up first). Written into ``outs``
+        (one float32 tensor per parameter, shaped like it) or into new tensors; returns them.
+        ``caught_up=True`` skips the catch-up pass (the last step had ``catch_up=True``)."""
+        if self.mode != "exact":
+            raise ValueError("lookahead needs mode='exact' (lazy coordinates do not move without a gradient)")
+        if self.step_count == 0:
+            raise ValueError("lookahead needs at least one step (there is no optimizer state yet)")
+        if not caught_up:
+            self.catch_up()
+        else:
+            self._no_pending()
+        if outs is None:
+            outs = [torch.empty_like(s.flat) for s in self._states]
+        with torch.no_grad():
+            for s, out in zip(self._states, outs):
+                self._lookahead_one(s, out.view(-1))
+        return outs
+
+    def _lookahead_one(self, s, out):
+        raise NotImplementedError
+
     # ---- checkpoints
 
     def state_dict(self, catch_up=True):
@@ -389,6 +414,23 @@ class SparseSGD(SparseOptimizer):
                                                          float(hp["dampening"]), float(hp["weight_decay"]))
         h.flags = (lib.STELLA_OPTIM_NESTEROV if hp["nesterov"] else 0) | (lib.STELLA_OPTIM_MAXIMIZE if hp["maximize"] else 0)
 
+    def _lookahead_one(self, s, out):
+        hp = self._hp
+        w = s.flat
+        mu, wd = float(hp["momentum"]), float(hp["weight_decay"])
+        if not wd:  # the common case in one pass: w - lr * mu * buf (nesterov: mu**2)
+            if mu:
+                torch.add(w, s.bufs["momentum_buffer"], alpha=-float(hp["lr"]) * mu * (mu if hp["nesterov"] else 1.0),
+                          out=out)
+            else:
+                out.copy_(w)
+            return
+        d = w * wd
+        if mu:
+            buf = s.bufs["momentum_buffer"] * mu + d * (1.0 - float(hp["dampening"]))
+            d = d + buf * mu if hp["nesterov"] else buf
+        torch.add(w, d, alpha=-float(hp["lr"]), out=out)
+
 
 class SparseAdam(SparseOptimizer):
     """``torch.optim.Adam`` on sparse gradients (weight decay added to the gradient).
@@ -413,6 +455,25 @@ class SparseAdam(SparseOptimizer):
         h.lr, h.beta1, h.beta2, h.eps, h.weight_decay = (float(hp["lr"]), float(b1), float(b2), float(hp["eps"]),
                                                          float(hp["weight_decay"]))
         h.flags = (lib.STELLA_OPTIM_AMSGRAD if hp["amsgrad"] else 0) | (lib.STELLA_OPTIM_MAXIMIZE if hp["maximize"] else 0)
+
+    def _lookahead_one(self, s, out):
+        hp = self._hp
+        b1, b2 = (float(b) for b in hp["betas"])
+        lr, wd, w = float(hp["lr"]), float(hp["weight_decay"]), s.flat
+        t = self.step_count + 1
+        m, v = s.bufs["exp_avg"] * b1, s.bufs["exp_avg_sq"] * b2
+        if self.KIND == lib.STELLA_OPTIM_ADAMW:
+            base = w * (1.0 - lr * wd)
+        else:
+            base = w
+            if wd:
+                g = w * wd
+                m.add_(g, alpha=1.0 - b1)
+                v.addcmul_(g, g, value=1.0 - b2)
+        if hp["amsgrad"]:
+            v = torch.maximum(s.bufs["max_exp_avg_sq"], v)
+        denom = v.sqrt_().div_((1.0 - b2 ** t) ** 0.5).add_(float(hp["eps"]))
+        torch.addcdiv(base, m, denom, value=-lr / (1.0 - b1 ** t), out=out)
 
 
 class SparseAdamW(SparseAdam):

@@ -147,3 +147,56 @@ def test_refusals():
         model[0].weight.data = torch.zeros(16, 7)   # a parameter that changed shape after wrapping
     with pytest.raises(ValueError, match="changed"):
         torch.nn.functional.cross_entropy(model(torch.randn(8, 7)), y).backward()
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_stale_prediction_and_warmup_follow_the_reference(warmup):
+    """Staleness 1 with momentum SGD: the forward of step t sees the master after updates
+    0..t-2 moved one zero-gradient step ahead (momentum known before gradient t-1 arrives);
+    the first ``warmup`` steps are synchronous; drain() leaves the exact master weights."""
+    _skip_uneven()
+    lr, mu = 0.1, 0.9
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=mu),
+                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
+                                   staleness_warmup=warmup, model=model)
+    seen = []
+    model.register_forward_hook(lambda m, a, out: seen.append([p.detach().clone() for p in m.parameters()]))
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=mu)
+    masters = [[p.detach().clone() for p in ref.parameters()]]   # M_k: after k updates
+    predicted = [None]                                           # the lookahead of M_k
+    for step in range(6):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        # what the forward of this step must have seen
+        if step < warmup or step == 0:
+            expect = masters[step]
+        elif step - 1 >= warmup and step >= 2:
+            expect = predicted[step - 1]
+        else:
+            expect = masters[step - 1]
+        for p, q in zip(seen[step], expect):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: "step %d: %s" % (step, m))
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), expect):
+                p.copy_(q)
+        grads = _mean_grad(ref, step)
+        with torch.no_grad():
+            for p, m, g in zip(ref.parameters(), masters[-1], grads):
+                p.copy_(m)
+                p.grad = g
+        ref_opt.step()
+        masters.append([p.detach().clone() for p in ref.parameters()])
+        predicted.append([p.detach() - lr * mu * ref_opt.state[p]["momentum_buffer"] for p in ref.parameters()])
+    opt.drain()
+    for p, q in zip(model.parameters(), masters[-1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert not any(b.predicted_in_model for b in opt._buckets)
+    with pytest.raises(ValueError, match="staleness_warmup"):
+        hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness_warmup=-1)
+    with pytest.raises(ValueError, match="stale_prediction needs"):
+        hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness=1,
+                                 cpu_semantics="lazy", stale_prediction=True)

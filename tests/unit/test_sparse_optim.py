@@ -293,3 +293,38 @@ def test_state_dict_roundtrip(cls, hp, mode, tmp_path):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="cannot be loaded"):
         SparseAdam([torch.randn(500)]).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("cls,tcls,hp", CASES, ids=IDS)
+def test_lookahead_is_the_next_step_with_a_zero_gradient(cls, tcls, hp):
+    """lookahead() (the CPU engine's stale prediction): the weights after one more torch step
+    with a zero gradient, leaving the parameters and state untouched."""
+    rng = np.random.default_rng(3)
+    n = 500
+    ours = [torch.from_numpy(rng.standard_normal(n).astype(np.float32))]
+    theirs = [p.clone().requires_grad_(True) for p in ours]
+    opt = cls(ours, mode="exact", **hp)
+    ref = tcls(theirs, foreach=False, **hp)
+    with pytest.raises(ValueError, match="at least one step"):
+        opt.lookahead()
+    for step in range(5):
+        idx, val = _sparse_grads(rng, n, 0.1)
+        dense = np.zeros(n, np.float32)
+        dense[idx] = val
+        opt.step([(idx, val)])            # unlisted coordinates lag: lookahead catches them up
+        theirs[0].grad = torch.from_numpy(dense)
+        ref.step()
+    out = torch.empty(n)
+    assert opt.lookahead([out])[0] is out
+    torch.testing.assert_close(ours[0], theirs[0].detach(), atol=2e-5, rtol=2e-4)  # caught up, not moved on
+    before = {k: v.clone() for k, v in opt.state_dict(catch_up=False)["state"][0].items()}
+    theirs[0].grad = torch.zeros(n)
+    ref.step()
+    torch.testing.assert_close(out, theirs[0].detach(), atol=2e-5, rtol=2e-4)
+    again = opt.lookahead(caught_up=True)[0]     # nothing moved: the same prediction, the same state
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    for k, v in opt.state_dict(catch_up=False)["state"][0].items():
+        torch.testing.assert_close(v, before[k], atol=0, rtol=0)
+    assert opt.step_count == 5
+    with pytest.raises(ValueError, match="exact"):
+        cls([torch.zeros(4)], mode="lazy", **hp).lookahead()
