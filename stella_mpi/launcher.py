@@ -48,6 +48,9 @@ WAN_MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFAC
                "GLOO_SOCKET_IFNAME": "wan0"}
 
 
+SIGNAL_GRACE_S = 10.0   # after Ctrl-C/SIGTERM, how long ranks get to stop before they are killed
+
+
 def wan_hosts(sizes):
     """hydra host list naming one pretend host per cluster: with the fork launcher every
     "host" runs here, and MPICH treats each as its own node (shared memory inside it only)."""
@@ -92,6 +95,7 @@ def run_with_wan(args):
     """Set up the emulated WAN, run mpirun under it, and always tear it down."""
     import signal
     import subprocess
+    import time
     from .wan import WanEmulation, namespaces_available, parse_rate, parse_schedule, reap_stale
     if not args.np:
         raise SystemExit("stellarun: give the number of ranks with -np N")
@@ -126,14 +130,24 @@ def run_with_wan(args):
               "(network namespaces unavailable: %s)"
               % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why), flush=True)
     proc = None
+    signalled = []
 
     def forward(signum, frame):
+        signalled.append(time.monotonic())
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc = subprocess.Popen(cmd)
-        return proc.wait()
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                # mpirun waits for ranks that ignore the signal: after a grace period, kill them
+                if signalled and time.monotonic() - signalled[0] > SIGNAL_GRACE_S:
+                    print("stellarun: ranks still running %.0f s after the signal; killing them" % SIGNAL_GRACE_S,
+                          flush=True)
+                    return 128 + signal.SIGKILL
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

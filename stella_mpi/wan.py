@@ -14,6 +14,7 @@ they work here. Everything created is named after the launcher's pid and removed
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -223,8 +224,12 @@ class WanEmulation:
         return ["ip", "netns", "exec", self.namespaces[c]]
 
     def close(self):
-        """Remove everything this emulation created (safe to call more than once)."""
+        """Remove everything this emulation created (safe to call more than once). Ranks still
+        running inside the namespaces (mpirun killed before it could stop them) are killed first."""
         self._stop.set()
+        for kind, name in self._created:
+            if kind == "netns":
+                kill_namespace_processes(name)
         for kind, name in reversed(self._created):
             if kind == "forwarder":
                 name.stop()
@@ -235,6 +240,17 @@ class WanEmulation:
             else:
                 _run(["ip", "link", "del", name], check=False)
         self._created = []
+
+
+def kill_namespace_processes(ns):
+    """SIGKILL every process in network namespace ``ns``; returns their pids."""
+    pids = [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 def leftovers(pid=None):
@@ -258,6 +274,7 @@ def reap_stale():
     for ns in _run(["ip", "netns", "list"], check=False).stdout.split():
         m = re.fullmatch(r"stella(\d+)c\d+", ns)
         if m and int(m.group(1)) not in live:
+            kill_namespace_processes(ns)
             _run(["ip", "netns", "del", ns], check=False)
             removed.append(ns)
     links = _run(["ip", "-o", "link", "show"], check=False).stdout

@@ -233,3 +233,19 @@ def test_reap_stale_removes_what_a_killed_launcher_left():
     removed = reap_stale()
     assert "stella%dc0" % dead in removed and "stbr%d" % (dead % 100000) in removed
     assert leftovers(dead) == []
+
+
+@needs_netns
+def test_ranks_that_ignore_signals_are_killed_with_the_emulation():
+    marker = "stella-stuck-%d" % os.getpid()
+    proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", sys.executable, "-c",
+                         "import signal, sys, time; [signal.signal(s, signal.SIG_IGN) for s in "
+                         "(signal.SIGINT, signal.SIGTERM)]; print('started', flush=True); time.sleep(300)", marker)
+    for line in proc.stdout:
+        if "started" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert left == [], "ranks outlived the launcher: %s" % left
