@@ -5,8 +5,9 @@ With 1 % density and error feedback the final validation loss is within 5 % of d
 training's, also with the C optimizer of the CPU engine, synchronous (staleness 0) and
 overlapped (staleness 1, with the engine's default stale prediction: the forward gets the
 master weights one zero-gradient step ahead; without it a one-step-stale update costs ~10 %
-here, as it does in dense training); without error feedback it is measurably worse. A longer
-version of the same comparison: bench/bench_convergence.sh."""
+here, as it does in dense training); without error feedback it is measurably worse. Longer
+versions of the same comparison: the same examples/train_horovod.py runs with more --steps, or
+the lm workload of bench/run_e2e.py (time to a target loss against DDP)."""
 import json
 import os
 import subprocess
