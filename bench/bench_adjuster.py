@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_adjuster.py --schedule "15:100mbit,35:500mbit" --steps 75
 
-Each mode runs bench/e2e_train.py (the byte LM, 2 clusters of 2 ranks, stellarun --wan 500mbit
+Each mode runs bench/e2e_train.py (the byte LM, 2 clusters of --np/2 ranks, stellarun --wan 500mbit
 --wan-schedule SCHEDULE): "adapt:cacheaware" (hvd.Adjuster between --min-density and
 --max-density), "sparse:cacheaware" at each fixed density of --fixed, and "ddp". Reported per
 mode: time to the target loss (the loss every mode reaches, unless --target-loss), median step
@@ -14,6 +14,7 @@ bench/results/adjuster.png.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -22,14 +23,16 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_mode(mode, density, args, tmp):
+def run_mode(mode, density, args, tmp, trace_out=None):
     out = os.path.join(tmp, "%s_%s.json" % (mode.replace(":", "_"), density))
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
-    cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", args.start_rate, "--wan-schedule", args.schedule,
+    cmd = [stellarun, "-np", str(args.np), "--clusters", "2", "--wan", args.start_rate, "--wan-schedule", args.schedule,
            "--timeout", "900", sys.executable, os.path.join(HERE, "e2e_train.py"), "--mode", mode,
            "--workload", "lm", "--hidden", str(args.hidden), "--steps", str(args.steps), "--density", str(density),
            "--min-density", str(args.min_density), "--max-density", str(args.max_density),
            "--target", str(args.target), "--out", out]
+    if trace_out:
+        cmd += ["--decisions-out", out + ".decisions"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-2000:]}
@@ -37,7 +40,23 @@ def run_mode(mode, density, args, tmp):
         res = json.load(f)
     # the launcher prints the schedule's changes; map them onto the run's clock
     res["launcher_output"] = [line for line in proc.stdout.splitlines() if "WAN rate now" in line]
+    # the step during which each rate change happened (the launcher prints the change's unix time)
+    changes = [float(m.group(1)) for m in re.finditer(r"unix time ([0-9.]+)", proc.stdout)]
+    res["rate_change_steps"] = [next((r["step"] for r in res["records"] if res["t0_unix"] + r["elapsed_s"] >= c),
+                                     None) for c in changes]
+    if trace_out:
+        write_trace(out + ".decisions.rank0", cmd, trace_out)
     return res
+
+
+def write_trace(decisions_file, cmd, path):
+    """The adaptive run's gathered telemetry and decisions, in the form tests/unit/test_adjuster.py
+    replays (tests/data/adjuster_trace.json)."""
+    with open(decisions_file) as f:
+        d = json.load(f)
+    with open(path, "w") as f:
+        json.dump({"source": " ".join(["stellarun"] + cmd[1:]) + " (rank 0)", "settings": d["settings"],
+                   "overlap": d["overlap"], "start_density": d["start_density"], "windows": d["trace"]}, f)
 
 
 def smoothed(records, k=5):
@@ -67,6 +86,7 @@ def recovery_steps(records, change_steps, ratio=1.3):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--np", type=int, default=4, help="ranks, in 2 clusters")
     p.add_argument("--start-rate", default="500mbit")
     p.add_argument("--schedule", default="15:100mbit,35:500mbit", help="SECONDS:RATE after launch")
     p.add_argument("--steps", type=int, default=75)
@@ -74,7 +94,9 @@ def main():
     p.add_argument("--fixed", default="0.001,0.01,0.1", help="fixed densities to compare")
     p.add_argument("--min-density", type=float, default=1e-3)
     p.add_argument("--max-density", type=float, default=0.1)
-    p.add_argument("--target", type=float, default=3.0, help="adjuster target (step time / compute time)")
+    p.add_argument("--target", type=float, default=1.3, help="adjuster target (step time / compute time)")
+    p.add_argument("--record-trace", help="write the adaptive run's telemetry and decisions here "
+                                          "(the form of tests/data/adjuster_trace.json)")
     p.add_argument("--target-loss", type=float)
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--timeout", type=int, default=1200)
@@ -87,7 +109,7 @@ def main():
         for mode, d in runs:
             label = mode if mode != "sparse:cacheaware" else "fixed %g" % d
             print("running %s ..." % label, flush=True)
-            results[label] = run_mode(mode, d, args, tmp)
+            results[label] = run_mode(mode, d, args, tmp, args.record_trace if mode.startswith("adapt") else None)
     ok = {}
     for label, res in results.items():
         if "error" in res:
@@ -111,6 +133,9 @@ def main():
             summary[label]["density_changes_at_steps"] = changes
             summary[label]["recovery_steps_after_density_changes"] = recovery_steps(res["records"], changes)
             summary[label]["densities"] = sorted(set(dens))
+        summary[label]["rate_change_steps"] = res["rate_change_steps"]
+        summary[label]["recovery_steps_after_rate_changes"] = recovery_steps(
+            res["records"], [c for c in res["rate_change_steps"] if c is not None])
     print("\ntarget loss %.4f (5-step mean)" % target)
     print("%-18s %12s %12s %14s %10s" % ("mode", "to target s", "step ms", "step/compute", "val loss"))
     for label, s in summary.items():
@@ -118,6 +143,8 @@ def main():
         print("%-18s %12s %12.1f %14.2f %10.4f" % (label, tt, 1000 * s["median_step_s"],
                                                   s["median_step_over_compute"], s["validation_loss"]))
     for label, s in summary.items():
+        print("%s: WAN rate changed during steps %s; steps until step <= 1.3x compute after each: %s"
+              % (label, s["rate_change_steps"], s["recovery_steps_after_rate_changes"]))
         if "density_changes_at_steps" in s:
             print("%s: density changes at steps %s; steps until step <= 1.3x compute after each: %s"
                   % (label, s["density_changes_at_steps"], s["recovery_steps_after_density_changes"]))

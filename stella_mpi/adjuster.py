@@ -22,12 +22,16 @@ so its time is the transfer itself. The bottleneck channel decides. Each estimat
 median of the last ``window`` samples: one outlier is ignored, a step change is followed
 after ``window // 2 + 1`` samples (one more to go up).
 
+A rung fits when the time its WAN payload adds to the step, ``step(d, P) - step(0, P)``, is
+at most ``(target - 1) * P * compute``: the density-independent part of the step (selection,
+merge, optimizer, message latency) is left out, since no density removes it.
+
 Decisions move along one ladder of rungs, from the most conservative to the most aggressive::
 
     (P=max_passes, min_density) ... (P=2, min_density) (P=1, min_density) ... (P=1, max_density)
 
-(the accumulation rungs only with ``allow_accumulation``). The excess ``step - P * compute`` over what the
-target allows, ``(target - 1) * P * compute``, only grows along the ladder, so the rungs that fit the budget form a prefix and the highest
+(the accumulation rungs only with ``allow_accumulation``). The payload's share of the step over what the
+target allows only grows along the ladder, so the rungs that fit the budget form a prefix and the highest
 fitting rung is well defined; a lower bandwidth can only lower it (monotone). Hysteresis (on that
 excess ratio): stay while the current rung fits within ``1 + hysteresis``; move up only to a
 rung that fits within ``1 - hysteresis`` in two windows running; when the current rung no longer fits, drop at once to the highest
@@ -69,7 +73,7 @@ class Adjuster:
     global_batch: Optional[int] = None
     interval: int = 2
     window: int = 3
-    hysteresis: float = 0.15
+    hysteresis: float = 0.25
     levels_per_decade: int = 6
 
     def __post_init__(self):
@@ -260,11 +264,12 @@ class Controller:
         return passes * est.compute_s + est.fixed_s + wire
 
     def _ratio(self, est, i):
-        """Time not hidden behind compute over what the target allows (<= 1: fits)."""
+        """Step time the rung's WAN payload adds, over what the target allows (<= 1: fits).
+        What no density changes (selection, merge, optimizer, message latency) is not counted:
+        when it alone breaks the target, a lower density would cost accuracy and save nothing."""
         p, d = self.rungs[i]
-        compute = p * est.compute_s
-        allowed = max((self.settings.target - 1.0) * compute, 1e-9)
-        return max(self.predict(est, p, d) - compute, 0.0) / allowed
+        allowed = max((self.settings.target - 1.0) * p * est.compute_s, 1e-9)
+        return max(self.predict(est, p, d) - self.predict(est, p, 0.0), 0.0) / allowed
 
     def observe(self, rows):
         """Feed one window's rows (every rank's, in rank order); returns the Decision."""

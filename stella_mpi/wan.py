@@ -215,7 +215,8 @@ class WanEmulation:
                 self._shape("change", bps)
                 self.rate_bps = bps
                 self.changes.append((time.monotonic() - start, bps))
-                print("stellarun: WAN rate now %.0f Mbit/s (t=%.0f s)" % (bps / 1e6, at), flush=True)
+                print("stellarun: WAN rate now %.0f Mbit/s (t=%.0f s, unix time %.3f)" % (bps / 1e6, at, time.time()),
+                      flush=True)
             except RuntimeError as e:
                 print("stellarun: could not change the WAN rate: %s" % e, flush=True)
 
