@@ -179,7 +179,7 @@ def test_bad_settings(kw, match):
 
 
 def test_recorded_trace():
-    """Rows gathered by 4 ranks over stellarun --wan with a 500 -> 100 -> 500 Mbit/s schedule
+    """Rows gathered by the ranks over stellarun --wan with a 500 -> 100 -> 500 Mbit/s schedule
     (command in the file): replayed, the controller decides exactly what the ranks decided,
     and the density went both down and up."""
     with open(os.path.join(HERE, "..", "data", "adjuster_trace.json")) as f:
