@@ -1,6 +1,7 @@
 """The adjuster against fixed densities and DDP over one WAN schedule, in one command:
 
-    .venv/bin/python bench/bench_adjuster.py --schedule "15:100mbit,35:500mbit" --steps 75
+    .venv/bin/python bench/bench_adjuster.py          # 2 ranks (one per cluster and core), 300 steps
+    .venv/bin/python bench/bench_adjuster.py --np 4   # 2 clusters of 2 ranks (4 ranks share 2 cores here)
 
 Each mode runs bench/e2e_train.py (the byte LM, 2 clusters of --np/2 ranks, stellarun --wan 500mbit
 --wan-schedule SCHEDULE): "adapt:cacheaware" (hvd.Adjuster between --min-density and
@@ -86,10 +87,10 @@ def recovery_steps(records, change_steps, ratio=1.3):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--np", type=int, default=4, help="ranks, in 2 clusters")
+    p.add_argument("--np", type=int, default=2, help="ranks, in 2 clusters")
     p.add_argument("--start-rate", default="500mbit")
-    p.add_argument("--schedule", default="15:100mbit,35:500mbit", help="SECONDS:RATE after launch")
-    p.add_argument("--steps", type=int, default=75)
+    p.add_argument("--schedule", default="10:100mbit,25:500mbit", help="SECONDS:RATE after launch")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--fixed", default="0.001,0.01,0.1", help="fixed densities to compare")
     p.add_argument("--min-density", type=float, default=1e-3)

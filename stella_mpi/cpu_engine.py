@@ -83,6 +83,16 @@ class _Bucket:
         return "cpu_engine.bucket.%d.%s" % (self.index, names[self.params[0]])
 
 
+def _copy_into_params(flat, params):
+    """Copy the flat float32 ``flat`` into ``params`` (in order, each its numel)."""
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.view(-1).copy_(flat[off:off + n])
+            off += n
+
+
 def execute_cpu_update(pset, desc, inputs, joined):
     """Engine thread: reduce, (select/exchange/merge), optimizer step, all-gather (module docstring)."""
     grad, bucket, comp, memory, stats, pool, lr, catch_up, predict = inputs
@@ -240,13 +250,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             t1 = time.perf_counter()
             if self._adjust is not None:
                 self._adjust.idle(t1 - t0)
-            staged = bucket.staged[s % 2]
-            off = 0
-            with torch.no_grad():
-                for p in bucket.params:
-                    n = p.numel()
-                    p.view(-1).copy_(staged[off:off + n])
-                    off += n
+            _copy_into_params(bucket.staged[s % 2], bucket.params)
             bucket.applied = s
             bucket.times["wait_s"] += t1 - t0
             bucket.times["copy_s"] += time.perf_counter() - t1
@@ -355,12 +359,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
                                                 {"kind": "cpu_master", "name": b.name(self._names),
                                                  "step": b.applied}, (b, out), execute_cpu_master,
                                                 self._process_set)))
-            off = 0
-            with torch.no_grad():
-                for p in b.params:
-                    n = p.numel()
-                    p.view(-1).copy_(out[off:off + n])
-                    off += n
+            _copy_into_params(out, b.params)
             b.predicted_in_model = False
 
     def state_dict(self):
