@@ -169,6 +169,7 @@ def main():
         if label.startswith("adapt"):
             axes[2].plot(t, [r["density"] for r in res["records"]], label=label)
     axes[0].set_ylabel("step time (s)")
+    axes[0].set_yscale("log")
     axes[1].set_ylabel("loss (5-step mean)")
     axes[1].axhline(target, color="grey", linestyle=":")
     axes[2].set_ylabel("density")
