@@ -16,8 +16,10 @@ every phase alike, it measures per step:
 
 It prints s1 against max(compute, comm) and s0 against compute + comm, the ratio s0/s1, and
 where the CPU engine's time went (engine thread: exchange, optimizer, all-gather; training
-thread: blocked waiting for an update, copying it in). Step times are medians over ranks'
-maximum (each step ends when the slowest rank is done). --json-out writes everything (rank 0).
+thread: blocked waiting for an update, copying it in). Step times are a phase's wall time
+per step, drain of the updates still in flight included, on the slowest rank; median over
+rounds (a per-step median would hide staleness 1's lumpy waits). --json-out writes everything
+(rank 0).
 """
 import argparse
 import json
@@ -102,15 +104,16 @@ def main():
             fn()  # one untimed step: the pipeline fills (s1), caches warm
             fn()
             comm.Barrier()
-            if name in engine_spent:
-                before = (o0 if name == "s0" else o1).engine_times()
+            o = {"s0": o0, "s1": o1}.get(name)
+            if o is not None:
+                before = o.engine_times()
+            t0 = time.perf_counter()
             for _ in range(args.steps):
-                t0 = time.perf_counter()
                 fn()
-                times[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-            if name in engine_spent:
-                o = o0 if name == "s0" else o1
-                o.drain()
+            if o is not None:
+                o.drain()   # the updates still in flight belong to this phase's steps
+            times[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / args.steps)
+            if o is not None:
                 after = o.engine_times()
                 for k in after:
                     engine_spent[name][k] += after[k] - before[k]
