@@ -59,11 +59,9 @@ def wan_hosts(sizes):
 
 def build_wan_command(args, emu):
     """MPMD mpirun command: cluster c's ranks start inside namespace c."""
-    from .wan import parse_rate
-    np_ = args.np
-    clusters = args.clusters or 2
+    sizes = cluster_sizes(args.np, args.clusters or 2)
     cmd = [args.mpirun or find_mpirun()]
-    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(parse_rate(args.wan)))}
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan))}
     if args.timeout:
         env["STELLA_TIMEOUT"] = str(args.timeout)
     if emu is not None:
@@ -73,15 +71,15 @@ def build_wan_command(args, emu):
     else:
         env["STELLA_WAN_MODE"] = "paced"
         # a cluster's ranks share its link: each paces at its share
-        env["STELLA_WAN_PACE_BPS"] = str(int(parse_rate(args.wan) / max(cluster_sizes(np_, clusters))))
+        env["STELLA_WAN_PACE_BPS"] = str(int(args.wan / max(sizes)))
         if args.wan_delay:
             env["STELLA_WAN_PACE_DELAY_S"] = repr(args.wan_delay)
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
     if emu is not None:
-        cmd += ["-launcher", "fork", "-hosts", wan_hosts(cluster_sizes(np_, clusters))]
+        cmd += ["-launcher", "fork", "-hosts", wan_hosts(sizes)]
     cmd += list(args.mpi_args or [])
-    for c, n in enumerate(cluster_sizes(np_, clusters)):
+    for c, n in enumerate(sizes):
         if c:
             cmd.append(":")
         cmd += ["-n", str(n), "-env", "STELLA_CLUSTER", "wan%d" % c]
@@ -96,7 +94,7 @@ def run_with_wan(args):
     import signal
     import subprocess
     import time
-    from .wan import WanEmulation, namespaces_available, parse_rate, parse_schedule, reap_stale
+    from .wan import WanEmulation, namespaces_available, reap_stale
     if not args.np:
         raise SystemExit("stellarun: give the number of ranks with -np N")
     clusters = args.clusters or 2
@@ -104,15 +102,10 @@ def run_with_wan(args):
         raise SystemExit("stellarun: --wan needs 2 or more clusters and at most one per rank")
     if not args.command:
         raise SystemExit("stellarun: no command to run")
-    rate = parse_rate(args.wan)
-    schedule = parse_schedule(args.wan_schedule) if args.wan_schedule else []
-    delay = args.wan_delay
+    rate, schedule, delay = args.wan, args.wan_schedule or [], args.wan_delay
     ok, why = namespaces_available()
     emu = None
     if ok:
-        stale = reap_stale()
-        if stale:
-            print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
         emu = WanEmulation(clusters, rate, schedule, delay_s=delay)
     elif schedule:
         raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
@@ -120,15 +113,6 @@ def run_with_wan(args):
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    if emu is not None:
-        emu.setup()
-        print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links (tc tbf)%s"
-              % (clusters, rate / 1e6, ", %g ms one-way delay (TUN devices, user-space forwarder)" % (delay * 1e3)
-                 if delay else ""), flush=True)
-    else:
-        print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s%s "
-              "(network namespaces unavailable: %s)"
-              % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why), flush=True)
     proc = None
     signalled = []
 
@@ -136,8 +120,24 @@ def run_with_wan(args):
         signalled.append(time.monotonic())
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
+    # handlers first: a Ctrl-C while the emulation is built must not skip its removal
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if emu is not None:
+            stale = reap_stale()
+            if stale:
+                print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
+            emu.setup()
+            print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links "
+                  "(tc tbf)%s" % (clusters, rate / 1e6, ", %g ms one-way delay (TUN devices, user-space forwarder)"
+                                  % (delay * 1e3) if delay else ""), flush=True)
+        else:
+            print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s%s "
+                  "(network namespaces unavailable: %s)"
+                  % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why),
+                  flush=True)
+        if signalled:
+            return 128 + signal.SIGINT
         proc = subprocess.Popen(cmd)
         while True:
             try:
@@ -189,12 +189,15 @@ def build_command(args):
     return cmd + list(args.command)
 
 
-def _delay(text):
-    from .wan import parse_delay
-    try:
-        return parse_delay(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
+def _parsed_by(name):
+    """argparse type applying stella_mpi.wan.<name>: a bad value is a usage error, not a traceback."""
+    def parse_value(text):
+        from . import wan
+        try:
+            return getattr(wan, name)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+    return parse_value
 
 
 def parse(argv):
@@ -208,9 +211,10 @@ def parse(argv):
     p.add_argument("--timeout", type=float, help="seconds any wait on a peer may take (STELLA_TIMEOUT)")
     p.add_argument("--mpirun", help="the mpirun to use (default: the one of this Python environment)")
     p.add_argument("--mpi-args", nargs=argparse.ONE_OR_MORE, help="extra arguments passed to mpirun as they are")
-    p.add_argument("--wan", metavar="RATE", help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
-    p.add_argument("--wan-schedule", metavar="T:RATE,...", help="change the WAN rate at these seconds")
-    p.add_argument("--wan-delay", metavar="DELAY", type=_delay, default=0.0,
+    p.add_argument("--wan", metavar="RATE", type=_parsed_by("parse_rate"),
+                   help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
+    p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds")
+    p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
                    help="one-way delay on the emulated WAN (e.g. 30ms)")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")

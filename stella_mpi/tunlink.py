@@ -19,11 +19,13 @@ import struct
 import threading
 import time
 
+from .wan import QUEUE_LIMIT_MS, _burst_bytes
+
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 TUN_MTU = 65000
-QUEUE_LIMIT_S = 0.2   # the longest a packet may wait for its destination's link (tbf "latency")
+QUEUE_LIMIT_S = QUEUE_LIMIT_MS / 1000.0
 
 
 def open_tun(name):
@@ -51,19 +53,25 @@ class DelayForwarder:
     ``rate_bps`` with ``burst`` bytes of tolerance (a GCRA shaper per destination), so that with
     3+ clusters two senders cannot push more than the link rate into one cluster; a packet that
     would wait longer than QUEUE_LIMIT_S is dropped. A packet
-    leaves at max(arrival + delay, the time its destination's link is free): per destination
-    these times never decrease, so packets keep their order."""
+    leaves at max(arrival + delay, the time its destination's link is free, the previous
+    packet's leave time for that destination), so packets keep their order also across a rate
+    change."""
 
-    def __init__(self, routes, delay_s, rate_bps, burst):
+    def __init__(self, routes, delay_s, rate_bps):
         self.routes = {socket.inet_aton(a): fd for a, fd in routes.items()}
         self.delay_s = float(delay_s)
-        self.rate_bps = float(rate_bps)   # the schedule may change it while running
-        self.burst = burst
+        self.set_rate(rate_bps)
         self.forwarded = 0
         self.dropped = 0
         self._wake_r, self._wake_w = os.pipe()
         self._stop = False
         self._thread = None
+
+    def set_rate(self, bps):
+        """The shaper's rate and burst (also the tbf burst of the TUN devices: tbf drops packets
+        larger than its burst). The schedule calls it while the thread runs."""
+        self.burst = max(_burst_bytes(bps), 2 * TUN_MTU)
+        self.rate_bps = float(bps)
 
     def start(self):
         self._thread = threading.Thread(target=self._loop, name="stella-wan-delay", daemon=True)
@@ -76,8 +84,9 @@ class DelayForwarder:
         if self._thread is not None:
             os.write(self._wake_w, b"x")
             self._thread.join(5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if self._thread is None or not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _loop(self):
         sel = selectors.DefaultSelector()
@@ -87,6 +96,7 @@ class DelayForwarder:
         held = []   # (leave at, seq, out fd, packet): seq keeps arrival order among equal times
         seq = 0
         link_free = {}   # out fd -> GCRA theoretical arrival time of its next packet
+        last_leave = {}  # out fd -> leave time of its latest packet
         try:
             while not self._stop:
                 timeout = max(0.0, held[0][0] - time.monotonic()) if held else None
@@ -97,18 +107,22 @@ class DelayForwarder:
                     for _ in range(64):   # a bounded batch, so that due packets are not held up
                         try:
                             pkt = os.read(key.fd, 65536)
-                        except OSError:   # BlockingIOError: nothing more to read now
+                        except BlockingIOError:   # nothing more to read now
+                            break
+                        except OSError:   # the device is gone (shutting down): stop watching it
+                            sel.unregister(key.fd)
                             break
                         out = self.routes.get(pkt[16:20]) if len(pkt) >= 20 and pkt[0] >> 4 == 4 else None
                         if out is None:
                             self.dropped += 1
                             continue
                         tat = max(link_free.get(out, 0.0), due)
-                        leave = max(due, tat - self.burst * 8 / self.rate_bps)
+                        leave = max(due, tat - self.burst * 8 / self.rate_bps, last_leave.get(out, 0.0))
                         if leave - due > QUEUE_LIMIT_S:   # a full queue drops, as tbf's does
                             self.dropped += 1
                             continue
                         link_free[out] = tat + len(pkt) * 8 / self.rate_bps
+                        last_leave[out] = leave
                         heapq.heappush(held, (leave, seq, out, pkt))
                         seq += 1
                 now = time.monotonic()

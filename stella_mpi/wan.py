@@ -22,12 +22,18 @@ import time
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 
 
+def _parse_quantity(text, units, what, example):
+    """'<number><unit>' -> number * units[unit]; a clear ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in units:
+        raise ValueError("%s %r: use a non-negative number and one of %s (e.g. %s)"
+                         % (what, text, ", ".join(units), example))
+    return float(m.group(1)) * units[m.group(2).lower()]
+
+
 def parse_rate(text):
     """'100mbit' -> 100e6 bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError("rate %r: use a number and one of %s (e.g. 100mbit)" % (text, ", ".join(_UNITS)))
-    bps = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    bps = _parse_quantity(text, _UNITS, "rate", "100mbit")
     if bps <= 0:
         raise ValueError("rate %r must be positive" % text)
     return bps
@@ -51,11 +57,9 @@ _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 def parse_delay(text):
     """'30ms' -> 0.03 seconds (units us, ms, s; '0' is no delay)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or (unit not in _DELAY_UNITS and not (unit == "" and float(m.group(1)) == 0)):
-        raise ValueError("delay %r: use a non-negative number and one of us, ms, s (e.g. 30ms)" % (text,))
-    seconds = float(m.group(1)) * _DELAY_UNITS.get(unit, 0.0)
+    if re.fullmatch(r"\s*0*\.?0*\s*", str(text)) and "0" in str(text):
+        return 0.0
+    seconds = _parse_quantity(text, _DELAY_UNITS, "delay", "30ms")
     if seconds > 10:
         raise ValueError("delay %r is more than 10 s" % (text,))
     return seconds
@@ -88,6 +92,15 @@ def _burst_bytes(bps):
     return max(32 * 1024, int(bps / 8 / 200))
 
 
+QUEUE_LIMIT_MS = 200   # the longest a packet may wait for the link (tbf's latency, the forwarder's limit)
+
+
+def _tbf(bps, forwarder):
+    """tc arguments of a tbf at ``bps``; with a TUN forwarder, its (larger) burst."""
+    burst = forwarder.burst if forwarder is not None else _burst_bytes(bps)
+    return ["tbf", "rate", "%dbit" % int(bps), "burst", str(burst), "latency", "%dms" % QUEUE_LIMIT_MS]
+
+
 class WanEmulation:
     """Namespaces ``stella<pid>c<i>`` with interface ``wan0`` at 10.213.<k>.<i+1>/24.
 
@@ -102,8 +115,8 @@ class WanEmulation:
         self.forwarder = None
         self.subnet = 10 + self.pid % 240
         self.namespaces = ["stella%dc%d" % (self.pid, c) for c in range(nclusters)]
-        self.bridge = "stbr%d" % (self.pid % 100000)
-        self.host_ifs = ["sth%d_%d" % (self.pid % 100000, c) for c in range(nclusters)]
+        self.bridge = "stbr%d" % self.pid
+        self.host_ifs = ["sth%d_%d" % (self.pid, c) for c in range(nclusters)]
         self._created = []
         self._stop = threading.Event()
         self._thread = None
@@ -113,57 +126,61 @@ class WanEmulation:
         return "10.213.%d.%d" % (self.subnet, c + 1)
 
     def setup(self):
-        if self.delay_s > 0:
-            return self._setup_tun()
+        """Create the namespaces and the link (veth + bridge, or TUN + forwarder with a delay);
+        on any failure or interruption, remove what was made so far."""
         try:
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            self._created.append(("link", self.bridge))
-            _run(["ip", "link", "set", self.bridge, "up"])
-            for c, (ns, host_if) in enumerate(zip(self.namespaces, self.host_ifs)):
-                _run(["ip", "netns", "add", ns])
-                self._created.append(("netns", ns))
-                peer = "stn%d_%d" % (self.pid % 100000, c)
-                _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", peer])
-                self._created.append(("link", host_if))
-                _run(["ip", "link", "set", peer, "netns", ns])
-                _run(["ip", "-n", ns, "link", "set", peer, "name", "wan0"])
-                _run(["ip", "-n", ns, "addr", "add", self.address(c) + "/24", "dev", "wan0"])
-                _run(["ip", "-n", ns, "link", "set", "wan0", "up"])
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-                _run(["ip", "link", "set", host_if, "master", self.bridge])
-                _run(["ip", "link", "set", host_if, "up"])
-            self._shape("add", self.rate_bps)
-        except Exception:
+            if self.delay_s > 0:
+                self._setup_tun()
+            else:
+                self._setup_bridge()
+        except BaseException:
             self.close()
             raise
-        return self._start_schedule()
+        if self.schedule:
+            self._thread = threading.Thread(target=self._follow_schedule, daemon=True)
+            self._thread.start()
+        return self
+
+    def _add_namespace(self, c, dev):
+        """Namespace of cluster ``c`` with ``dev`` (made in this namespace) moved in as ``wan0``."""
+        ns = self.namespaces[c]
+        _run(["ip", "netns", "add", ns])
+        self._created.append(("netns", ns))
+        _run(["ip", "link", "set", dev, "netns", ns])
+        _run(["ip", "-n", ns, "link", "set", dev, "name", "wan0"])
+        _run(["ip", "-n", ns, "addr", "add", self.address(c) + "/24", "dev", "wan0"])
+        _run(["ip", "-n", ns, "link", "set", "wan0", "up"])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        return ns
+
+    def _setup_bridge(self):
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        self._created.append(("link", self.bridge))
+        _run(["ip", "link", "set", self.bridge, "up"])
+        for c, host_if in enumerate(self.host_ifs):
+            peer = "stn%d_%d" % (self.pid, c)
+            _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", peer])
+            self._created.append(("link", host_if))
+            self._add_namespace(c, peer)
+            _run(["ip", "link", "set", host_if, "master", self.bridge])
+            _run(["ip", "link", "set", host_if, "up"])
+        self._shape("add", self.rate_bps)
 
     def _setup_tun(self):
         """Each namespace's ``wan0`` is a TUN device whose fd the forwarder thread holds."""
         from .tunlink import TUN_MTU, DelayForwarder, open_tun
-        try:
-            routes = {}
-            for c, ns in enumerate(self.namespaces):
-                _run(["ip", "netns", "add", ns])
-                self._created.append(("netns", ns))
-                tun = "stt%d_%d" % (self.pid % 100000, c)
-                fd = open_tun(tun)
-                self._created.append(("fd", fd))
-                routes[self.address(c)] = fd
-                _run(["ip", "link", "set", tun, "netns", ns])
-                _run(["ip", "-n", ns, "link", "set", tun, "name", "wan0"])
-                _run(["ip", "-n", ns, "link", "set", "wan0", "mtu", str(TUN_MTU)])
-                _run(["ip", "-n", ns, "addr", "add", self.address(c) + "/24", "dev", "wan0"])
-                _run(["ip", "-n", ns, "link", "set", "wan0", "up"])
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-                self._tcp_buffers(ns)
-            self._shape("add", self.rate_bps)
-            self.forwarder = DelayForwarder(routes, self.delay_s, self.rate_bps, self._tun_burst(self.rate_bps)).start()
-            self._created.append(("forwarder", self.forwarder))
-        except Exception:
-            self.close()
-            raise
-        return self._start_schedule()
+        routes = {}
+        for c in range(self.nclusters):
+            tun = "stt%d_%d" % (self.pid, c)
+            fd = open_tun(tun)
+            self._created.append(("fd", fd))
+            routes[self.address(c)] = fd
+            ns = self._add_namespace(c, tun)
+            _run(["ip", "-n", ns, "link", "set", "wan0", "mtu", str(TUN_MTU)])
+            self._tcp_buffers(ns)
+        self.forwarder = DelayForwarder(routes, self.delay_s, self.rate_bps).start()
+        self._created.append(("forwarder", self.forwarder))
+        self._shape("add", self.rate_bps)
 
     def _tcp_buffers(self, ns):
         """TCP must keep a bandwidth-delay product (BDP) in flight. Raise the namespace's limits
@@ -177,34 +194,16 @@ class WanEmulation:
             value = "%d %d %d" % (low, max(default, start), max(high, 4 * bdp))
             _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "%s=%s" % (key, value)])
 
-    @staticmethod
-    def _tun_burst(bps):
-        from .tunlink import TUN_MTU
-        return max(_burst_bytes(bps), 2 * TUN_MTU)   # tbf drops packets larger than its burst
-
-    def _start_schedule(self):
-        if self.schedule:
-            self._thread = threading.Thread(target=self._follow_schedule, daemon=True)
-            self._thread.start()
-        return self
-
     def _shape(self, verb, bps):
-        rate = "%dbit" % int(bps)
-        if self.delay_s > 0:
-            # TUN mode: tbf shapes what each cluster sends, the forwarder what it receives
-            for ns in self.namespaces:
-                _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "wan0", "root", "tbf", "rate", rate,
-                      "burst", str(self._tun_burst(bps)), "latency", "200ms"])
-            if self.forwarder is not None:
-                self.forwarder.rate_bps = bps
-            return
-        burst = str(_burst_bytes(bps))
-        for ns, host_if in zip(self.namespaces, self.host_ifs):
-            # into the cluster (host side egress) and out of it (namespace side egress)
-            _run(["tc", "qdisc", verb, "dev", host_if, "root", "tbf", "rate", rate, "burst", burst,
-                  "latency", "200ms"])
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "wan0", "root", "tbf", "rate", rate,
-                  "burst", burst, "latency", "200ms"])
+        """tbf at ``bps`` on what each cluster sends (its ``wan0``) and, with the bridge, on what
+        it receives (the host side of its veth); with TUN devices the forwarder shapes that."""
+        if self.forwarder is not None:
+            self.forwarder.set_rate(bps)
+        for ns in self.namespaces:
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "wan0", "root"] + _tbf(bps, self.forwarder))
+        if self.forwarder is None:
+            for host_if in self.host_ifs:
+                _run(["tc", "qdisc", verb, "dev", host_if, "root"] + _tbf(bps, None))
 
     def _follow_schedule(self):
         start = time.monotonic()
@@ -234,6 +233,8 @@ class WanEmulation:
         for kind, name in reversed(self._created):
             if kind == "forwarder":
                 name.stop()
+                print("stellarun: WAN delay forwarder: %d packets forwarded, %d dropped (queue over %d ms, "
+                      "unknown destination or not IPv4)" % (name.forwarded, name.dropped, QUEUE_LIMIT_MS), flush=True)
             elif kind == "fd":
                 os.close(name)   # a TUN device goes away with its last fd
             elif kind == "netns":
@@ -254,33 +255,42 @@ def kill_namespace_processes(ns):
     return pids
 
 
+# what an emulation creates, named after its launcher's pid: namespaces stella<pid>c<i>, links
+# stbr<pid> (bridge), sth<pid>_<i> (veth, host side); TUN devices stt<pid>_<i> leave with their fds
+_NS_RE = re.compile(r"stella(\d+)c\d+")
+_LINK_RE = re.compile(r"\d+: (st(?:br|h|t)(\d+)(?:_\d+)?)[@:]")
+
+
+def _made():
+    """[(name, kind, launcher pid)] of every namespace and link an emulation made that exists now."""
+    out = []
+    for ns in _run(["ip", "netns", "list"], check=False).stdout.split():
+        m = _NS_RE.fullmatch(ns)
+        if m:
+            out.append((ns, "netns", int(m.group(1))))
+    for m in _LINK_RE.finditer(_run(["ip", "-o", "link", "show"], check=False).stdout):
+        out.append((m.group(1), "link", int(m.group(2))))
+    return out
+
+
 def leftovers(pid=None):
-    """Names of stella namespaces and links still present (for tests and clean-up checks)."""
-    ns = _run(["ip", "netns", "list"], check=False).stdout.split()
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
-    pat = "stella%d" % pid if pid else "stella"
-    found = [n for n in ns if n.startswith(pat)]
-    lpat = re.compile(r"\d+: (st(?:br|h|t)%s[^:@]*)" % (str(pid % 100000) if pid else ""))
-    found += [m.group(1) for m in lpat.finditer(links)]
-    return found
+    """Names of stella namespaces and links still present, of launcher ``pid`` or of any (for
+    tests and clean-up checks)."""
+    return [name for name, _, owner in _made() if pid is None or owner == pid]
 
 
 def reap_stale():
     """Remove what launchers that no longer run left behind (a launcher killed with SIGKILL
-    cannot clean up after itself). Names carry the launcher's pid (links: pid % 100000);
-    nothing whose pid could still be running is touched. Returns what was removed."""
-    live = {int(d) for d in os.listdir("/proc") if d.isdigit()}
-    live_short = {p % 100000 for p in live}
+    cannot clean up after itself): processes still in their namespaces, the namespaces (which
+    takes their veth pairs along) and their bridges. Returns what was removed."""
     removed = []
-    for ns in _run(["ip", "netns", "list"], check=False).stdout.split():
-        m = re.fullmatch(r"stella(\d+)c\d+", ns)
-        if m and int(m.group(1)) not in live:
-            kill_namespace_processes(ns)
-            _run(["ip", "netns", "del", ns], check=False)
-            removed.append(ns)
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
-    for m in re.finditer(r"\d+: (st(?:br|h)(\d+)[^:@]*)", links):
-        if int(m.group(2)) not in live_short:
-            if _run(["ip", "link", "del", m.group(1)], check=False).returncode == 0:
-                removed.append(m.group(1))
+    for name, kind, owner in _made():
+        if os.path.exists("/proc/%d" % owner):
+            continue
+        if kind == "netns":
+            kill_namespace_processes(name)
+            _run(["ip", "netns", "del", name], check=False)
+        elif _run(["ip", "link", "del", name], check=False).returncode != 0:
+            continue   # went with its namespace
+        removed.append(name)
     return removed

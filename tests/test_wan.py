@@ -117,6 +117,15 @@ def test_bad_delay_is_refused_by_stellarun(capsys):
         launcher.main(["-np", "2", "--wan-delay", "30ms", "python", "x.py"])
 
 
+def test_bad_rate_or_schedule_is_a_usage_error(capsys):
+    from stella_mpi import launcher
+    for bad, what in (("--wan=fast", "rate"), ("--wan-schedule=10:1gbit,5:2gbit", "ascend")):
+        with pytest.raises(SystemExit) as e:
+            launcher.main(["-np", "2", "--wan", "100mbit", bad, "--dry-run", "python", "x.py"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and what in err, err
+
+
 def test_paced_mode_passes_the_delay_and_wan_pace_applies_it(monkeypatch):
     from stella_mpi import launcher, transport
     args = launcher.parse(["-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "40ms", "python", "x.py"])
@@ -124,7 +133,8 @@ def test_paced_mode_passes_the_delay_and_wan_pace_applies_it(monkeypatch):
     assert cmd[cmd.index("STELLA_WAN_PACE_DELAY_S") + 1] == "0.04"
     monkeypatch.setenv("STELLA_WAN_PACE_BPS", "1e9")
     monkeypatch.setenv("STELLA_WAN_PACE_DELAY_S", "0.04")
-    monkeypatch.setattr(transport, "_PACE_BPS", None)   # re-read the environment
+    monkeypatch.setattr(transport, "_PACE_BPS", None)   # re-read the environment (both, on the next call)
+    monkeypatch.setattr(transport, "_PACE_DELAY_S", 0.0)
     started = time.monotonic()
     transport.wan_pace(1000, started, rounds=2)          # 8 us of transfer, two one-way delays
     assert 0.08 <= time.monotonic() - started < 0.5
@@ -225,18 +235,22 @@ def test_delayed_link_is_removed_after_ctrl_c():
 @needs_netns
 def test_reap_stale_removes_what_a_killed_launcher_left():
     from stella_mpi.wan import leftovers, reap_stale
-    dead = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists("/proc/%d" % p)
-                and not any(os.path.exists("/proc/%d" % q) for q in range(p % 100000, 4_200_000, 100000)))
-    subprocess.run(["ip", "netns", "add", "stella%dc0" % dead], check=True)
-    subprocess.run(["ip", "link", "add", "stbr%d" % (dead % 100000), "type", "bridge"], check=True)
-    assert leftovers(dead)
-    removed = reap_stale()
-    assert "stella%dc0" % dead in removed and "stbr%d" % (dead % 100000) in removed
-    assert leftovers(dead) == []
+    dead = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists("/proc/%d" % p))
+    try:
+        subprocess.run(["ip", "netns", "add", "stella%dc0" % dead], check=True)
+        subprocess.run(["ip", "link", "add", "stbr%d" % dead, "type", "bridge"], check=True)
+        assert leftovers(dead)
+        removed = reap_stale()
+        assert "stella%dc0" % dead in removed and "stbr%d" % dead in removed
+        assert leftovers(dead) == []
+    finally:
+        subprocess.run(["ip", "netns", "del", "stella%dc0" % dead], capture_output=True)
+        subprocess.run(["ip", "link", "del", "stbr%d" % dead], capture_output=True)
 
 
 @needs_netns
 def test_ranks_that_ignore_signals_are_killed_with_the_emulation():
+    from stella_mpi.wan import leftovers
     marker = "stella-stuck-%d" % os.getpid()
     proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", sys.executable, "-c",
                          "import signal, sys, time; [signal.signal(s, signal.SIG_IGN) for s in "
@@ -245,7 +259,28 @@ def test_ranks_that_ignore_signals_are_killed_with_the_emulation():
         if "started" in line:
             break
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=90)
+    out = proc.communicate(timeout=90)[0]
     assert proc.returncode != 0
+    assert "killing them" in out and leftovers(proc.pid) == [], out[-2000:]
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert left == [], "ranks outlived the launcher: %s" % left
+
+
+@needs_netns
+@pytest.mark.parametrize("delay", [0.0, 0.01])
+def test_interrupted_setup_removes_what_it_made(monkeypatch, delay):
+    from stella_mpi import wan
+    real, calls = wan._run, []
+
+    def interrupted_after_a_few(cmd, check=True):
+        calls.append(cmd)
+        if len(calls) == 6:
+            raise KeyboardInterrupt   # Ctrl-C half way through building the emulation
+        return real(cmd, check)
+    monkeypatch.setattr(wan, "_run", interrupted_after_a_few)
+    emu = wan.WanEmulation(2, 100e6, delay_s=delay)
+    with pytest.raises(KeyboardInterrupt):
+        emu.setup()
+    monkeypatch.setattr(wan, "_run", real)
+    assert any(c[:3] == ["ip", "netns", "add"] for c in calls[:6])
+    assert wan.leftovers(os.getpid()) == [] and emu.forwarder is None
