@@ -131,6 +131,7 @@ def main():
                         "compute_s": compute_max, "wan_bytes_rank": wan if hvd else None,
                         "wan_bytes_all": wan_all if hvd else None,
                         "density": st.get("adjust_density", st.get("density")),
+                        "sent_density": st.get("density"),   # measured: entries sent / elements
                         "wan_bandwidth_bps": st.get("wan_bandwidth_bps")})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
@@ -142,7 +143,7 @@ def main():
     if hvd and args.decisions_out and getattr(opt, "_adjust", None) is not None:
         with open("%s.rank%d" % (args.decisions_out, rank), "w") as f:
             json.dump({"decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
-                       "trace": opt._adjust.trace, "settings": vars(opt._adjust.settings),
+                       "trace": list(opt._adjust.trace), "settings": vars(opt._adjust.settings),
                        "overlap": opt._adjust.controller.overlap, "start_density": opt._adjust.start_density}, f)
     with torch.no_grad():
         val = MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size

@@ -219,7 +219,6 @@ class Controller:
     passes: int = 1
     batch: Optional[Tuple[int, ...]] = None
     history: list = field(default_factory=list)
-    decisions: int = 0
     _up_candidates: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -274,7 +273,6 @@ class Controller:
     def observe(self, rows):
         """Feed one window's rows (every rank's, in rank order); returns the Decision."""
         s = self.settings
-        self.decisions += 1
         sample = sample_from_rows(rows, self.overlap)
         batch, batch_reason = self._split(rows)
         if sample is None:

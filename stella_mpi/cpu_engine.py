@@ -206,10 +206,9 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         log.debug("rank %d: CPU engine workers pinned to cores %s", runtime.rank(), list(self._pool.cores))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._module_hooks = []
-        self._adjust = None
-        if adjuster is not None:
-            from .telemetry import AdjustSession
-            self._adjust = AdjustSession(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
+        from .telemetry import adjust_session
+        self._adjust = adjust_session(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
+        if self._adjust is not None:
             self._compression = self._adjust.compression
 
     # -------- model hooks

@@ -105,11 +105,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if process_set.included() and runtime.size() > 1:
             for p in self._params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._adjust = None
-        if adjuster is not None and process_set.included() and runtime.size() > 1:
-            from .telemetry import AdjustSession
-            self._adjust = AdjustSession(adjuster, compression, process_set, overlap=False,
-                                         passes=backward_passes_per_step)
+        from .telemetry import adjust_session
+        self._adjust = adjust_session(adjuster, compression, process_set, overlap=False,
+                                      passes=backward_passes_per_step)
+        if self._adjust is not None:
             self._compression = self._adjust.compression
 
     # ---------------- buckets ----------------
@@ -332,7 +331,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
                              "backward_passes_per_step=1, gradient_predivide_factor=1.0")
-        if adjuster is not None and getattr(adjuster, "allow_accumulation", False):
+        if adjuster is not None and adjuster.allow_accumulation:
             raise ValueError("engine='cpu' runs one backward pass per step: use an Adjuster with "
                              "allow_accumulation=False")
         from .cpu_engine import make_cpu_engine_optimizer

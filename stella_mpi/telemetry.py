@@ -13,13 +13,14 @@ The step between the gather and its reading is not timed into any window, so eve
 holds one setting only. The gather also times itself: a few bytes across the WAN, so the
 rank that arrived last measures the per-message latency of the link.
 """
+import collections
 import logging
 import time
 
 import numpy as np
 
 from . import runtime
-from .adjuster import ROW_FIELDS, Adjuster, Controller
+from .adjuster import F, ROW_FIELDS, Controller, split_batch
 from .engine import Op
 from .errors import HorovodInternalError
 from .ops import EXECUTORS
@@ -45,18 +46,24 @@ def execute_gather(pset, desc, inputs, joined):
 EXECUTORS["adjust_telemetry"] = (execute_gather, None)
 
 
+KEEP_WINDOWS = 4096
+
+
+def adjust_session(adjuster, compression, process_set, overlap, passes):
+    """The AdjustSession of an optimizer, or None where there is nothing to adjust: no adjuster,
+    a rank outside the process set, or a single cluster (no cross-cluster exchange)."""
+    if adjuster is None or not process_set.included() or process_set.topology.num_clusters < 2:
+        return None
+    return AdjustSession(adjuster, compression, process_set, overlap, passes)
+
+
 class AdjustSession:
     """One optimizer's telemetry and decisions. The optimizer calls :meth:`enter` when its
     step machinery starts (synchronize), :meth:`idle` for every wait on communication,
     :meth:`optimizer_time` for its own update, and :meth:`end_step` when the step is done."""
 
     def __init__(self, settings, compression, process_set, overlap, passes):
-        if not isinstance(settings, Adjuster):
-            raise ValueError("adjuster must be an hvd.Adjuster, not %r" % type(settings).__name__)
-        if not getattr(compression, "sparse", False):
-            raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
-                             "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk), not %s"
-                             % getattr(compression, "name", compression))
+        # settings and compression were checked by DistributedOptimizer
         self.settings = settings
         self.pset = process_set
         topo = process_set.topology
@@ -70,11 +77,12 @@ class AdjustSession:
         self.controller = Controller(settings, overlap=overlap, density=start, passes=passes)
         self.batch = None
         if settings.batch_split:
-            from .adjuster import split_batch
             self.controller.batch = split_batch(settings.global_batch, [1.0] * process_set.size(), None)
             self.batch = self.controller.batch[self._me]
-        self.decisions = []          # (step, Decision) in order, the same on every rank
-        self.trace = []              # gathered rows and what they decided (for replay in tests)
+        # (step, Decision) in order, the same on every rank; and the gathered rows with what they
+        # decided (for replay in tests): the latest KEEP_WINDOWS of each, so a long run does not grow
+        self.decisions = collections.deque(maxlen=KEEP_WINDOWS)
+        self.trace = collections.deque(maxlen=KEEP_WINDOWS)
         self._stats = runtime.current().wan_stats
         self._stats.annotate(adjust_density=start, adjust_passes=passes, adjust_reason="start",
                              adjust_step=0)
@@ -139,10 +147,10 @@ class AdjustSession:
         fixed = {"steps": self._timed, "latency_s": self._latency, "batch": self.batch or 0, "density": c.density,
                  "passes": c.passes, "cluster": self._where[0], "group": self._where[1]}
         for k, v in fixed.items():
-            row[ROW_FIELDS.index(k)] = v
+            row[F[k]] = v
         name = "adjuster.telemetry.%d" % step
         desc = {"kind": "adjust_telemetry", "name": name, "fields": len(ROW_FIELDS), "step": int(step)}
-        handle = runtime.current().engine.submit(Op("adjust_telemetry", name, desc, (row.astype(np.float64),),
+        handle = runtime.current().engine.submit(Op("adjust_telemetry", name, desc, (row,),
                                                     execute_gather, self.pset))
         self._pending = (handle, step + self.delay)
         self._collecting = False

@@ -42,3 +42,5 @@ def test_all_ranks_switch_at_the_same_step(tmp_path):
         current = in_effect.get(rec["step"] - 1, current)
         if current is not None:
             assert rec["density"] == pytest.approx(current), rec
+            # and the exchange really sent that density (not just the controller reporting itself)
+            assert rec["sent_density"] == pytest.approx(current, rel=0.2), rec

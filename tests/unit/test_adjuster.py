@@ -57,11 +57,12 @@ def test_ladder_and_budget():
     assert levels[0] == 1e-3 and levels[-1] == 0.1 and list(levels) == sorted(levels)
     ctrl = Controller(s)
     d = run(ctrl, [500e6] * 6)[-1]
-    # the chosen density keeps the predicted step within the target, and the next level would not
-    assert d.predicted_step_s <= s.target * d.estimate.compute_s * (1 + s.hysteresis)
+    # the chosen density's payload fits the budget, and the next level's would not (within the dead band)
     i = levels.index(d.density)
-    assert i + 1 < len(levels)
-    assert ctrl.predict(d.estimate, 1, levels[i + 1]) > s.target * d.estimate.compute_s * (1 - s.hysteresis)
+    assert 0 < i and i + 1 < len(levels)
+    rung = ctrl.rungs.index((1, d.density))
+    assert ctrl._ratio(d.estimate, rung) <= 1 + s.hysteresis
+    assert ctrl._ratio(d.estimate, rung + 1) > 1 - s.hysteresis
 
 
 def test_monotone_in_bandwidth():
