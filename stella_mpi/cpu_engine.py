@@ -71,11 +71,11 @@ class _Bucket:
         self.handles = {}       # step -> engine handle of that step's update
         self.applied = -1       # last step whose update is in the model's parameters
         self.predicted_in_model = False
+        self.predicts = False   # stale prediction where it differs from the master (set at init)
         self.master = None      # this rank's shard, float32 (created at the first launch)
         self.sopt = None
         self.staged = [None, None]
         self.predicted = None   # this rank's shard of the predicted weights (stale_prediction)
-        self.staged_predicted = {}  # step -> whether its staged update holds predicted weights
         self.counts = None
         self.times = dict.fromkeys(TIMES, 0.0)
 
@@ -91,6 +91,14 @@ def _copy_into_params(flat, params):
             n = p.numel()
             p.view(-1).copy_(flat[off:off + n])
             off += n
+
+
+def _gather_shards(pset, counts, shard, out):
+    """The cluster's shards (this rank's is ``shard``) all-gathered into ``out``."""
+    if pset.topology.cluster_size > 1:
+        pset.hierarchy.intra.allgather_into(shard, counts, out)
+    else:
+        out.copy_(shard)
 
 
 def execute_cpu_update(pset, desc, inputs, joined):
@@ -122,11 +130,7 @@ def execute_cpu_update(pset, desc, inputs, joined):
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead
     src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
     t2 = clock()
-    staged = bucket.staged[step % 2]
-    if cs > 1:
-        hier.intra.allgather_into(src, counts, staged)
-    else:
-        staged.copy_(src)
+    _gather_shards(pset, counts, src, bucket.staged[step % 2])
     t3 = clock()
     stats.add(engine_s=t3 - t0)
     times = bucket.times
@@ -139,10 +143,7 @@ def execute_cpu_update(pset, desc, inputs, joined):
 def execute_cpu_master(pset, desc, inputs, joined):
     """Engine thread: the cluster's master shards of one bucket, all-gathered into ``out``."""
     bucket, out = inputs
-    if pset.topology.cluster_size > 1:
-        pset.hierarchy.intra.allgather_into(bucket.master, bucket.counts, out)
-    else:
-        out.copy_(bucket.master)
+    _gather_shards(pset, bucket.counts, bucket.master, out)
     return out
 
 
@@ -160,13 +161,13 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
         if isinstance(staleness_warmup, bool) or not isinstance(staleness_warmup, int) or staleness_warmup < 0:
             raise ValueError("staleness_warmup must be a number of steps >= 0, not %r" % (staleness_warmup,))
-        if stale_prediction is None:
-            stale_prediction = semantics == "exact"
-        if stale_prediction and semantics != "exact":
-            raise ValueError("stale_prediction needs cpu_semantics='exact' (lazy coordinates do not move "
-                             "without a gradient, so there is nothing to predict)")
         if semantics not in ("exact", "lazy"):
             raise ValueError("cpu_semantics must be 'exact' or 'lazy', not %r" % (semantics,))
+        if stale_prediction is None:
+            stale_prediction = semantics == "exact"
+        if stale_prediction and semantics != "exact" and staleness == 1:
+            raise ValueError("stale_prediction needs cpu_semantics='exact' (lazy coordinates do not move "
+                             "without a gradient, so there is nothing to predict)")
         topo = process_set.topology
         if topo is not None and not topo.uniform_clusters:
             raise ValueError("engine='cpu' needs clusters of equal size (shards line up across clusters); "
@@ -253,7 +254,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             bucket.applied = s
             bucket.times["wait_s"] += t1 - t0
             bucket.times["copy_s"] += time.perf_counter() - t1
-            bucket.predicted_in_model = bucket.staged_predicted.pop(s, False)
+            bucket.predicted_in_model = self._predicted_at(bucket, s)
 
     # -------- launching
 
@@ -270,8 +271,14 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         group = self.param_groups[bucket.group_index]
         bucket.sopt = _sparse_optimizer_for(self._user_optimizer, group, bucket.master, self._semantics)
         bucket.staged = [torch.empty(bucket.numel), torch.empty(bucket.numel)]
-        if self._predict:
+        bucket.predicts = self._predict and bucket.sopt.moves_without_gradient()
+        if bucket.predicts:
             bucket.predicted = torch.empty_like(bucket.master)
+
+    def _predicted_at(self, bucket, step):
+        """Whether the staged update of ``step`` holds predicted weights: where the forward of
+        ``step + 1`` runs one step stale (the update is then first read at ``step + 2``)."""
+        return bucket.predicts and self._staleness_at(step + 1) == 1
 
     def _launch(self, bucket):
         step = self._steps
@@ -294,8 +301,7 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         lr = float(self.param_groups[bucket.group_index]["lr"])
         # the update of step t is first read by the forward of step t+1 (synchronous) or t+2 (stale):
         # predicted weights only for the stale case
-        predict = self._predict and self._staleness_at(step + 1) == 1
-        bucket.staged_predicted[step] = predict
+        predict = self._predicted_at(bucket, step)
         desc["predict"] = predict
         inputs = (grad, bucket, self._compression, self._memory, rt.wan_stats, self._pool, lr,
                   self._semantics == "exact", predict)
@@ -342,18 +348,22 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
         The engine-thread entries are updated by that thread; read them after drain()."""
         return {k: sum(b.times[k] for b in self._buckets) for k in TIMES}
 
+    def wait_updates(self):
+        """Wait for every launched update and put it in the parameters (with stale prediction,
+        the predicted weights: see drain)."""
+        for b in self._buckets:
+            self._apply_through(b, max(b.handles) if b.handles else b.applied)
+
     def drain(self):
         """Wait for every launched update and put it in the parameters. With stale prediction
         the model holds predicted weights; drain then puts the master weights in instead, which
         is a collective (call it on every rank, like state_dict)."""
-        for b in self._buckets:
-            last = max(b.handles) if b.handles else b.applied
-            self._apply_through(b, last)
+        self.wait_updates()
         rt = runtime.current()
         for b in self._buckets:
             if not b.predicted_in_model:
                 continue
-            out = torch.empty(b.numel)
+            out = b.staged[(b.applied + 1) % 2]   # free: nothing is in flight now
             api.synchronize(rt.engine.submit(Op("cpu_master", b.name(self._names) + ".master",
                                                 {"kind": "cpu_master", "name": b.name(self._names),
                                                  "step": b.applied}, (b, out), execute_cpu_master,
@@ -399,15 +409,9 @@ class _CpuEngineOptimizer(torch.optim.Optimizer):
             b.master.copy_(mine.pop("master"))
             b.sopt.load_state_dict({"optimizer": sb["optimizer"], "mode": sb["mode"], "step": sb["step"],
                                     "hparams": sb["hparams"], "state": [mine]})
-            off = 0
-            with torch.no_grad():
-                for p in b.params:
-                    n = p.numel()
-                    p.view(-1).copy_(sb["full"]["master"][off:off + n])
-                    off += n
+            _copy_into_params(sb["full"]["master"], b.params)
             b.applied = state["steps"] - 1
             b.predicted_in_model = False
-            b.staged_predicted.clear()
         self._steps = state["steps"]
 
 

@@ -353,6 +353,10 @@ class SparseOptimizer:
     def _lookahead_one(self, s, out):
         raise NotImplementedError
 
+    def moves_without_gradient(self):
+        """Whether a zero-gradient step changes the parameters (else lookahead is a copy)."""
+        return True
+
     # ---- checkpoints
 
     def state_dict(self, catch_up=True):
@@ -413,6 +417,9 @@ class SparseSGD(SparseOptimizer):
         h.lr, h.momentum, h.dampening, h.weight_decay = (float(hp["lr"]), float(hp["momentum"]),
                                                          float(hp["dampening"]), float(hp["weight_decay"]))
         h.flags = (lib.STELLA_OPTIM_NESTEROV if hp["nesterov"] else 0) | (lib.STELLA_OPTIM_MAXIMIZE if hp["maximize"] else 0)
+
+    def moves_without_gradient(self):
+        return bool(self._hp["momentum"] or self._hp["weight_decay"])
 
     def _lookahead_one(self, s, out):
         hp = self._hp

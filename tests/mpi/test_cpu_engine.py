@@ -195,8 +195,22 @@ def test_stale_prediction_and_warmup_follow_the_reference(warmup):
     for p, q in zip(model.parameters(), masters[-1]):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert not any(b.predicted_in_model for b in opt._buckets)
-    with pytest.raises(ValueError, match="staleness_warmup"):
-        hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness_warmup=-1)
+    assert all(b.predicts for b in opt._buckets)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="staleness_warmup"):
+            hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu",
+                                     staleness_warmup=bad)
+    # plain SGD: a zero-gradient step moves nothing, so nothing is predicted (no copies, drain is local)
+    plain = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=lr), named_parameters=plain.named_parameters(),
+                                   engine="cpu", staleness=1, model=plain)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        opt.step()
+    assert not any(b.predicts or b.predicted_in_model for b in opt._buckets)
+    opt.drain()
     with pytest.raises(ValueError, match="stale_prediction needs"):
         hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness=1,
                                  cpu_semantics="lazy", stale_prediction=True)
