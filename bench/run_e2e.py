@@ -4,7 +4,8 @@
     .venv/bin/python bench/run_e2e.py --workloads comm --rates 100mbit --steps 8
 
 For each workload and rate (stellarun --wan RATE, 2 clusters of 2 ranks) it runs
-bench/e2e_train.py under: compute only (no exchange: the compute time alone), DDP (gloo,
+bench/e2e_train.py under: compute only (each rank's own training step -- forward, backward,
+the optimizer -- with no exchange: the compute time alone), DDP (gloo,
 flat), stella_mpi dense hierarchical, stella_mpi sparse with each compressor, and the CPU
 engine (staleness 1). Workloads: "comm", a 25M-parameter MLP with a small batch (step time);
 "lm", the byte-level language model on the standard library's sources, run until the
@@ -40,10 +41,11 @@ def run_one(workload, rate, mode, args, tmp):
            "--out", out]
     if workload == "comm":
         cmd += ["--steps", str(args.steps)]
+    elif mode == "compute":   # unsynchronised replicas: only the step time is used, not the loss
+        cmd += ["--steps", "60"]
     else:
-        cmd += ["--steps", str(args.lm_max_steps)]
-        if mode != "compute":   # compute alone trains unsynchronised replicas: its loss is not comparable
-            cmd += ["--target-loss", str(args.target_loss), "--window", str(args.window)]
+        cmd += ["--steps", str(args.lm_max_steps), "--target-loss", str(args.target_loss),
+                "--window", str(args.window)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         return {"mode": mode, "error": (proc.stdout + proc.stderr)[-2000:]}
