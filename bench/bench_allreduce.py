@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import stella_mpi as hvd
-from stella_mpi import runtime
+from stella_mpi.core import state
 from baseline_dist import init_gloo_world
 
 
@@ -35,18 +35,18 @@ def timed(fn, reps):
 def agreement_cost(reps):
     """Seconds per small allreduce with and without the agreement round."""
     x = torch.ones(1)
-    rt = runtime.current()
+    rt = state.current()
     res = {}
     for label, check in (("with_check", True), ("without_check", False)):
         hvd.barrier()
-        rt.engine.config = dataclasses.replace(rt.engine.config, check_collectives=check)
+        rt.collective_thread.config = dataclasses.replace(rt.collective_thread.config, check_collectives=check)
         for _ in range(20):
             hvd.allreduce(x, name="warm")
         t0 = time.perf_counter()
         for i in range(reps):
             hvd.allreduce(x, name="agreement.bench")
         res[label] = (time.perf_counter() - t0) / reps
-    rt.engine.config = dataclasses.replace(rt.engine.config, check_collectives=True)
+    rt.collective_thread.config = dataclasses.replace(rt.collective_thread.config, check_collectives=True)
     return res
 
 
@@ -74,12 +74,12 @@ def main():
             else:
                 sink += timed(lambda: dist.all_reduce(b), 1)
     agree = agreement_cost(args.small_reps)
-    eng = runtime.current().engine
+    eng = state.current().collective_thread
     if hvd.rank() == 0:
         ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
         result = {
             "ranks": hvd.size(), "clusters": hvd.num_clusters(), "numel": args.numel, "reps": args.reps,
-            "intra_backend": runtime.global_process_set.intra.name,
+            "intra_backend": hvd.global_process_set.intra.name,
             "stella_hierarchical_ms": ms(stella), "gloo_flat_ms": ms(gloo),
             "ratio_gloo_over_stella": statistics.median(gloo) / statistics.median(stella),
             "stella_all_ms": [1000 * x for x in stella], "gloo_all_ms": [1000 * x for x in gloo],

@@ -20,7 +20,6 @@ import time
 import torch
 
 import stella_mpi as hvd
-from stella_mpi import api, runtime
 
 
 def gradient_set(seed):
@@ -50,9 +49,9 @@ def buckets(tensors, cap_bytes):
 def run_step(bucket_list, config, step):
     t0 = time.perf_counter()
     if config["compression"] is None:
-        handles = [api.grouped_allreduce_async_(b, name="bench.dense.%d" % i) for i, b in enumerate(bucket_list)]
+        handles = [hvd.grouped_allreduce_async_(b, name="bench.dense.%d" % i) for i, b in enumerate(bucket_list)]
     else:
-        handles = [api.sparse_allreduce_async(b, config["compression"], "bench.%s.%d" % (config["label"], i),
+        handles = [hvd.sparse_allreduce_async(b, config["compression"], "bench.%s.%d" % (config["label"], i),
                                               step=step, inplace=True) for i, b in enumerate(bucket_list)]
     for h in handles:
         hvd.synchronize(h)
@@ -83,7 +82,7 @@ def main():
         for c in order:
             work = [t.clone() for t in grads]
             bl = buckets(work, args.bucket_mb * 2 ** 20)
-            runtime.global_process_set.sparse_algorithm = c["algo"]
+            hvd.global_process_set.hierarchy.sparse_algorithm = c["algo"]
             hvd.barrier()
             hvd.stats(end_step=True)
             dt = run_step(bl, c, step)

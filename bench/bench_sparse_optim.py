@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from stella_mpi.cpu_pool import CpuPool
-from stella_mpi.sparse_optim import SparseAdam, SparseSGD
+from stella_mpi._native.pool import CpuPool
+from stella_mpi.optim.sparse_optim import SparseAdam, SparseSGD
 
 
 def make_lists(rng, n, k, order, count):

@@ -3,7 +3,7 @@ by side (C kernels, torch.topk, a plain copy), energy capture."""
 import numpy as np
 import torch
 
-from stella_mpi.compression import kernels as K
+from stella_mpi._native import compress as K
 
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
 DENSITIES = [0.001, 0.01, 0.1]

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compress_common import DENSITIES, SIZES, Case, blocky, energy_capture, gaussian, merge_lists  # noqa: E402
 
 from stella_mpi import _native  # noqa: E402
-from stella_mpi.compression import kernels as K  # noqa: E402
+from stella_mpi._native import compress as K  # noqa: E402
 
 ORDER = ["cacheaware+ef", "cacheaware", "topk+ef", "topk", "threshold+ef", "randomk+ef", "torch.topk", "numpy.copyto"]
 

@@ -155,7 +155,7 @@ def main():
     p.add_argument("--lm-max-steps", type=int, default=600)
     p.add_argument("--timeout", type=int, default=3600)
     args = p.parse_args()
-    from stella_mpi.wan import parse_rate
+    from stellarun.shaping import parse_rate
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):

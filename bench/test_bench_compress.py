@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compress_common import DENSITIES, SIZES, Case, merge_lists  # noqa: E402
 
-from stella_mpi.compression import kernels as K  # noqa: E402
+from stella_mpi._native import compress as K  # noqa: E402
 
 torch.set_num_threads(1)
 

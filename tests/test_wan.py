@@ -16,7 +16,7 @@ pytestmark = pytest.mark.mpi
 
 
 def _available():
-    from stella_mpi.wan import namespaces_available
+    from stellarun.wan import namespaces_available
     return namespaces_available()
 
 
@@ -40,7 +40,7 @@ def _rates(out, what):
 
 @needs_netns
 def test_cross_cluster_traffic_is_shaped_and_cleaned_up():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", sys.executable, "tests/scripts/wan_probe.py", "6")
     out = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, out[-3000:]
@@ -65,7 +65,7 @@ def test_rate_schedule_changes_the_link():
 
 @needs_netns
 def test_cleanup_after_a_failing_rank():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--timeout", "20", sys.executable,
                          "tests/scripts/faulty_rank.py", "raise")
     proc.communicate(timeout=180)
@@ -84,7 +84,7 @@ def test_dry_run_builds_one_mpmd_part_per_cluster():
 
 
 def test_bad_rates_are_refused():
-    from stella_mpi.wan import parse_rate, parse_schedule
+    from stellarun.shaping import parse_rate, parse_schedule
     assert parse_rate("100mbit") == 100e6 and parse_rate("1gbit") == 1e9
     with pytest.raises(ValueError, match="rate"):
         parse_rate("fast")
@@ -95,7 +95,7 @@ def test_bad_rates_are_refused():
 # ---------------- --wan-delay ----------------
 
 def test_delay_parsing():
-    from stella_mpi.wan import parse_delay
+    from stellarun.shaping import parse_delay
     assert parse_delay("30ms") == pytest.approx(0.03)
     assert parse_delay("0.03s") == pytest.approx(0.03)
     assert parse_delay("250us") == pytest.approx(250e-6)
@@ -107,7 +107,7 @@ def test_delay_parsing():
 
 
 def test_bad_delay_is_refused_by_stellarun(capsys):
-    from stella_mpi import launcher
+    from stellarun import cli as launcher
     for bad in ("--wan-delay=-30ms", "--wan-delay=soon"):
         with pytest.raises(SystemExit) as e:
             launcher.main(["-np", "2", "--wan", "100mbit", bad, "--dry-run", "python", "x.py"])
@@ -118,7 +118,7 @@ def test_bad_delay_is_refused_by_stellarun(capsys):
 
 
 def test_bad_rate_or_schedule_is_a_usage_error(capsys):
-    from stella_mpi import launcher
+    from stellarun import cli as launcher
     for bad, what in (("--wan=fast", "rate"), ("--wan-schedule=10:1gbit,5:2gbit", "ascend")):
         with pytest.raises(SystemExit) as e:
             launcher.main(["-np", "2", "--wan", "100mbit", bad, "--dry-run", "python", "x.py"])
@@ -127,16 +127,18 @@ def test_bad_rate_or_schedule_is_a_usage_error(capsys):
 
 
 def test_paced_mode_passes_the_delay_and_wan_pace_applies_it(monkeypatch):
-    from stella_mpi import launcher, transport
+    from stella_mpi.base.config import Config
+    from stella_mpi.comm.pacing import Pacer
+    from stellarun import cli as launcher
     args = launcher.parse(["-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "40ms", "python", "x.py"])
     cmd = launcher.build_wan_command(args, None)
     assert cmd[cmd.index("STELLA_WAN_PACE_DELAY_S") + 1] == "0.04"
-    monkeypatch.setenv("STELLA_WAN_PACE_BPS", "1e9")
-    monkeypatch.setenv("STELLA_WAN_PACE_DELAY_S", "0.04")
-    monkeypatch.setattr(transport, "_PACE_BPS", None)   # re-read the environment (both, on the next call)
-    monkeypatch.setattr(transport, "_PACE_DELAY_S", 0.0)
+    for var in ("STELLA_WAN_PACE_BPS", "STELLA_WAN_PACE_DELAY_S"):   # what the ranks get, as the runtime reads it
+        monkeypatch.setenv(var, cmd[cmd.index(var) + 1])
+    cfg = Config.from_env()
+    assert cfg.wan_pace_bps == 100e6 / 2 and cfg.wan_pace_delay_s == 0.04
     started = time.monotonic()
-    transport.wan_pace(1000, started, rounds=2)          # 8 us of transfer, two one-way delays
+    Pacer(1e9, cfg.wan_pace_delay_s).pace(1000, started, rounds=2)   # 8 us of transfer, two one-way delays
     assert 0.08 <= time.monotonic() - started < 0.5
 
 
@@ -159,7 +161,7 @@ def _probe_rtt_and_rate(emu, mb):
 
 @needs_netns
 def test_delay_gives_the_round_trip_and_keeps_the_rate():
-    from stella_mpi.wan import WanEmulation, leftovers
+    from stellarun.wan import WanEmulation, leftovers
     emu = WanEmulation(2, 100e6, delay_s=0.03).setup()
     try:
         rtt, rate = _probe_rtt_and_rate(emu, 8)
@@ -174,7 +176,7 @@ def test_delay_gives_the_round_trip_and_keeps_the_rate():
 
 @needs_netns
 def test_delayed_link_limits_what_one_cluster_receives_from_two():
-    from stella_mpi.wan import WanEmulation, leftovers
+    from stellarun.wan import WanEmulation, leftovers
     probe = os.path.join(ROOT, "tests", "scripts", "tcp_probe.py")
     emu = WanEmulation(3, 100e6, delay_s=0.01).setup()
     try:
@@ -195,7 +197,7 @@ def test_delayed_link_limits_what_one_cluster_receives_from_two():
 
 @needs_netns
 def test_mpi_job_across_a_delayed_link():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "60",
                          sys.executable, "tests/scripts/wan_latency.py")
     out = proc.communicate(timeout=120)[0]
@@ -209,7 +211,7 @@ def test_mpi_job_across_a_delayed_link():
 
 @needs_netns
 def test_delayed_link_is_removed_after_a_failing_rank():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "20",
                          sys.executable, "tests/scripts/faulty_rank.py", "raise")
     out = proc.communicate(timeout=120)[0]
@@ -219,7 +221,7 @@ def test_delayed_link_is_removed_after_a_failing_rank():
 
 @needs_netns
 def test_delayed_link_is_removed_after_ctrl_c():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms",
                          sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)")
     for line in proc.stdout:
@@ -234,7 +236,7 @@ def test_delayed_link_is_removed_after_ctrl_c():
 
 @needs_netns
 def test_reap_stale_removes_what_a_killed_launcher_left():
-    from stella_mpi.wan import leftovers, reap_stale
+    from stellarun.wan import leftovers, reap_stale
     dead = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists("/proc/%d" % p))
     try:
         subprocess.run(["ip", "netns", "add", "stella%dc0" % dead], check=True)
@@ -250,7 +252,7 @@ def test_reap_stale_removes_what_a_killed_launcher_left():
 
 @needs_netns
 def test_ranks_that_ignore_signals_are_killed_with_the_emulation():
-    from stella_mpi.wan import leftovers
+    from stellarun.wan import leftovers
     marker = "stella-stuck-%d" % os.getpid()
     proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", sys.executable, "-c",
                          "import signal, sys, time; [signal.signal(s, signal.SIG_IGN) for s in "
@@ -270,7 +272,7 @@ def test_ranks_that_ignore_signals_are_killed_with_the_emulation():
 @needs_netns
 @pytest.mark.parametrize("delay", [0.0, 0.01])
 def test_interrupted_setup_removes_what_it_made(monkeypatch, delay):
-    from stella_mpi import wan
+    from stellarun import wan
     real, calls = wan._run, []
 
     def interrupted_after_a_few(cmd, check=True):

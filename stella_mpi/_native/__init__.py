@@ -1,4 +1,9 @@
-"""The cffi binding of the C core and the mapping of its status codes to exceptions."""
+"""The C core's binding: the cffi module, its status codes mapped to exceptions, the SIMD switch.
+
+The wrappers of the kernels live beside it, one module per C header family: :mod:`.compress`
+(selection, codecs, merge), :mod:`.dense` (reductions, casts), :mod:`.pool` (the pinned worker
+pool and the choice of its cores); every buffer reaches C through :func:`.buffers.pointer`.
+It imports nothing of stella_mpi above the base layer."""
 from . import _stella  # built by setup.py (cffi_modules) from c_src/
 
 ffi = _stella.ffi

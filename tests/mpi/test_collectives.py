@@ -263,7 +263,7 @@ def test_process_set_subset():
 def test_join_refuses_other_collectives_alike():
     """While a rank has joined, an allgather is refused on every active rank (as Horovod does),
     the ranks stay in step, and the rest can join afterwards."""
-    from stella_mpi.errors import CollectiveRefused
+    from stella_mpi.base.errors import CollectiveRefused
     if hvd.size() < 2:
         pytest.skip("needs a rank that joins and one that does not")
     if hvd.rank() == 0:

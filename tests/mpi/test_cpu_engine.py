@@ -7,7 +7,7 @@ import torch
 
 import stella_mpi as hvd
 from reference import rank_batch, small_model
-from stella_mpi import cpu_engine, runtime
+from stella_mpi.optim import cpu_engine
 
 
 _model = small_model
@@ -23,7 +23,7 @@ def _mean_grad(model, step):
 
 
 def _skip_uneven():
-    if not runtime.global_process_set.topology.uniform_clusters:
+    if not hvd.global_process_set.topology.uniform_clusters:
         pytest.skip("engine='cpu' needs clusters of equal size")
 
 
@@ -136,7 +136,7 @@ def test_refusals():
         hvd.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), engine="cpu")
     with pytest.raises(ValueError, match="staleness"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu", staleness=2)
-    if not runtime.global_process_set.topology.uniform_clusters:
+    if not hvd.global_process_set.topology.uniform_clusters:
         with pytest.raises(ValueError, match="clusters of equal size"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu")
         return

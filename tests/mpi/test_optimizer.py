@@ -73,14 +73,14 @@ def test_fp16_compression_trains_close_to_fp32():
 
 def test_small_fusion_buckets_and_sum_op(monkeypatch):
     monkeypatch.setenv("STELLA_FUSION_THRESHOLD", "64")  # one bucket per parameter, read at wrap time
-    from stella_mpi import runtime
-    old = runtime._runtime.config
-    runtime._runtime.config = type(old).from_env()
+    from stella_mpi.core import state
+    old = state.current().config
+    state.current().config = type(old).from_env()
     try:
         model, opt = _train(2, 0.1, 0.0)
         assert len(opt._buckets) == 4
     finally:
-        runtime._runtime.config = old
+        state.current().config = old
     ref = _reference_train(2, hvd.size(), 0.1, 0.0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -6,22 +6,22 @@ import pytest
 import torch
 
 import stella_mpi as hvd
-from stella_mpi import runtime
+from stella_mpi.core import state
 from stella_mpi.compression import TensorContext
-from stella_mpi.compression.sparse import merge_selections
-from stella_mpi.topology import split_counts
+from stella_mpi.compression import merge_selections
+from stella_mpi.comm.buffers import split_counts
 from reference import rank_input
 
 
 def _tree(payload_bytes):
-    from stella_mpi.exchange import choose_algorithm
-    topo = runtime.global_process_set.topology
-    return choose_algorithm(runtime.global_process_set.sparse_algorithm, topo.num_clusters, payload_bytes) == "tree"
+    from stella_mpi.comm.sparse_exchange import choose_algorithm
+    topo = hvd.global_process_set.topology
+    return choose_algorithm(hvd.global_process_set.hierarchy.sparse_algorithm, topo.num_clusters, payload_bytes) == "tree"
 
 
 def _cluster_shard_sums(inputs, n):
     """Per cluster, the cluster sum split into shards as the route does."""
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     out = []
     for members in topo.cluster_members:
         total = sum(inputs[r] for r in members)
@@ -47,7 +47,7 @@ def test_topk_matches_reference_pipeline():
     """First step (empty residual): result = sum over clusters of each cluster's top-k of its
     shard sum, divided by the number of ranks."""
     n, density = 4000, 0.05
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     inputs = [rank_input(r, (n,), torch.float32, seed=41) for r in range(hvd.size())]
     comp = hvd.Compression.topk(density=density)
     got = hvd.allreduce(inputs[hvd.rank()], compression=comp, name="ref.pipeline")
@@ -72,7 +72,7 @@ def test_topk_matches_reference_pipeline():
 def test_error_feedback_conserves_the_gradient(name):
     """Over several steps, what was delivered plus what waits in the residuals equals what was
     fed in: nothing is lost, nothing is counted twice."""
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     n, steps, key = 3000, 4, "ef.%s" % name
     comp = getattr(hvd.Compression, name)(density=0.02)
     delivered = torch.zeros(n, dtype=torch.float64)
@@ -84,7 +84,7 @@ def test_error_feedback_conserves_the_gradient(name):
         delivered += out.double()
     residual = torch.zeros(n, dtype=torch.float64)
     if topo.num_clusters > 1:
-        mem = runtime.current().sparse_memory
+        mem = state.current().sparse_memory
         if topo.uniform_clusters:
             counts = split_counts(n, topo.cluster_size)
             start = sum(counts[:topo.cluster_rank])
@@ -99,7 +99,7 @@ def test_error_feedback_conserves_the_gradient(name):
 
 
 def test_wan_bytes_follow_the_payload_formula():
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     if topo.num_clusters == 1 or not topo.uniform_clusters or _tree(1 << 30):
         pytest.skip("needs clusters of equal size and the all-gather exchange")
     n, density = 20_000, 0.01
@@ -118,7 +118,7 @@ def test_wan_bytes_follow_the_payload_formula():
 
 
 def test_dense_route_counts_wan_bytes_too():
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     if topo.num_clusters != 2 or not topo.uniform_clusters:
         pytest.skip("two clusters of equal size")
     hvd.stats(end_step=True)
@@ -159,6 +159,6 @@ def test_distributed_optimizer_sparse_keeps_ranks_identical():
     everyone = hvd.allgather(flat.unsqueeze(0))
     assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
     st = hvd.stats()
-    topo = runtime.global_process_set.topology
+    topo = hvd.global_process_set.topology
     if topo.num_clusters > 1 and (topo.uniform_clusters or topo.cluster_rank == 0):  # ranks on the WAN
         assert st["last_step"]["wan_bytes_sent"] > 0 and st["last_step"]["density"] < 0.2

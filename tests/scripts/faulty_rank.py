@@ -11,14 +11,12 @@ hvd.init()
 mode = sys.argv[1]
 hvd.allreduce(torch.ones(4), name="warmup")
 if mode == "corrupt":
-    from stella_mpi import runtime
-
     def flip_index_bytes(payload):
         bad = payload.clone()
         bad[32:40] = 255          # the first indices now point far outside the tensor
         return bad
     if hvd.rank() == 1:
-        runtime.global_process_set.tamper = flip_index_bytes
+        hvd.global_process_set.hierarchy.tamper = flip_index_bytes
     comp = hvd.Compression.topk(density=0.05)
     for step in range(5):
         hvd.allreduce(torch.randn(10000), compression=comp, name="sparse.grad")

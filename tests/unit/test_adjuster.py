@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from stella_mpi.adjuster import ROW_FIELDS, Adjuster, Controller, split_batch
+from stella_mpi.adjust.controller import ROW_FIELDS, Controller, split_batch
+from stella_mpi.adjust.settings import Adjuster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 2 clusters x 2 ranks; bytes per step and unit density like a 25M-parameter model's shard

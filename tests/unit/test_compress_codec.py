@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from stella_mpi import _native
 from stella_mpi._native import MalformedPayloadError
-from stella_mpi.compression import kernels as K
+from stella_mpi._native import compress as K
 
 from compress_refs import ref_merge, same_bits
 
@@ -222,7 +222,7 @@ def test_merge_same_on_every_simd_level():
 
 def test_wrappers_refuse_foreign_byte_order_and_misaligned_arrays():
     import numpy as np
-    from stella_mpi.compression import kernels as K
+    from stella_mpi._native import compress as K
     with pytest.raises(TypeError, match="byte order"):
         K.topk(np.array([1, -5, 2, .5], ">f4"), 1)
     raw = np.zeros(17, dtype=np.uint8)
@@ -233,7 +233,7 @@ def test_wrappers_refuse_foreign_byte_order_and_misaligned_arrays():
 
 def test_caller_threshold_wins_over_a_forced_one():
     import torch
-    from stella_mpi.compression import kernels as K
+    from stella_mpi._native import compress as K
     st = K.SelState()
     st.set_threshold(100.0)
     idx, _ = K.threshold_select(torch.tensor([3., -2., .1, 5.]), 1.0, 0, 4, None, st)

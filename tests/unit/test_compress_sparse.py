@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from stella_mpi._native import MalformedPayloadError
 from stella_mpi.compression import Compression, TensorContext, get_compressor, registered
 from stella_mpi.compression.memory import Memory
-from stella_mpi.compression.sparse import (CacheAwareCompressor, Selection, SparseCompressor,
+from stella_mpi.compression import (CacheAwareCompressor, Selection, SparseCompressor,
                                            merge_selections, scatter_add)
 
 from compress_refs import ref_blocks, ref_topk, same_bits

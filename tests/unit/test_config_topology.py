@@ -1,8 +1,9 @@
 """Settings from the environment and the cluster layout rules (no MPI launch needed)."""
 import pytest
 
-from stella_mpi.config import Config
-from stella_mpi.topology import cluster_label, split_counts
+from stella_mpi.base.config import Config
+from stella_mpi.comm.buffers import split_counts
+from stella_mpi.comm.topology import cluster_label
 
 
 def test_split_counts():
@@ -67,7 +68,7 @@ def test_cluster_map_by_host(monkeypatch):
 
 
 def test_stellarun_builds_the_mpirun_command():
-    from stella_mpi.launcher import build_command, parse
+    from stellarun.cli import build_command, parse
     cmd = build_command(parse(["-np", "4", "--clusters", "2", "--mpirun", "/x/mpirun", "python", "t.py", "--lr", "1"]))
     assert cmd[:3] == ["/x/mpirun", "-np", "4"]
     assert cmd[-4:] == ["python", "t.py", "--lr", "1"]

@@ -1,4 +1,4 @@
-"""The pinned CPU pool (c_src/pool.c through stella_mpi.cpu_pool): core planning with fake
+"""The pinned CPU pool (c_src/pool.c through stella_mpi._native.pool): core planning with fake
 affinity sets, worker affinity read back from /proc, results equal to the single-threaded
 kernels, timeouts and refusals."""
 import logging
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stella_mpi import _native
-from stella_mpi.cpu_pool import CpuPool, format_cpu_list, parse_cpu_list, plan_cores
-from stella_mpi.sparse_optim import SparseAdam, SparseAdamW, SparseSGD
+from stella_mpi._native.pool import CpuPool, format_cpu_list, parse_cpu_list, plan_cores
+from stella_mpi.optim.sparse_optim import SparseAdam, SparseAdamW, SparseSGD
 
 ffi, lib = _native.ffi, _native.lib
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -45,58 +45,66 @@ def test_parse_cpu_list_refuses(spec):
 
 def test_plan_divides_cores_among_local_ranks_and_leaves_main_core():
     allowed = range(8)
-    l0 = plan_cores(0, 2, allowed=allowed, env={})
-    l1 = plan_cores(1, 2, allowed=allowed, env={})
+    l0 = plan_cores(0, 2, allowed=allowed, cores="", threads="")
+    l1 = plan_cores(1, 2, allowed=allowed, cores="", threads="")
     assert (l0.main, l0.workers, l0.share) == (0, (1, 2, 3), (0, 1, 2, 3))
     assert (l1.main, l1.workers, l1.share) == (4, (5, 6, 7), (4, 5, 6, 7))
     # uneven: 3 ranks on 8 cores -> 2, 3, 3 cores
-    shares = [plan_cores(r, 3, allowed=allowed, env={}).share for r in range(3)]
+    shares = [plan_cores(r, 3, allowed=allowed, cores="", threads="").share for r in range(3)]
     assert shares == [(0, 1), (2, 3, 4), (5, 6, 7)]
-    assert plan_cores(0, 3, allowed=allowed, env={}).workers == (1,)
+    assert plan_cores(0, 3, allowed=allowed, cores="", threads="").workers == (1,)
 
 
 def test_plan_small_machines():
-    one = plan_cores(0, 1, allowed=[5], env={})
+    one = plan_cores(0, 1, allowed=[5], cores="", threads="")
     assert one.workers == (5,) and one.main == 5       # the worker shares the only core
-    two = plan_cores(0, 1, allowed=[0, 1], env={})
+    two = plan_cores(0, 1, allowed=[0, 1], cores="", threads="")
     assert two.workers == (1,) and two.main == 0
-    crowded = [plan_cores(r, 3, allowed=[0, 1], env={}) for r in range(3)]
+    crowded = [plan_cores(r, 3, allowed=[0, 1], cores="", threads="") for r in range(3)]
     assert [c.workers for c in crowded] == [(0,), (1,), (0,)]
-    whole = plan_cores(1, 2, allowed=[4, 5, 6], env={}, divide=False)  # launcher already bound the rank
+    whole = plan_cores(1, 2, allowed=[4, 5, 6], cores="", threads="", divide=False)  # launcher already bound the rank
     assert whole.share == (4, 5, 6) and whole.workers == (5, 6)
 
 
 def test_plan_env_overrides():
     allowed = range(8)
-    assert plan_cores(0, 1, allowed=allowed, env={"STELLA_CPU_THREADS": "2"}).workers == (1, 2)
-    many = plan_cores(0, 2, allowed=allowed, env={"STELLA_CPU_THREADS": "6"})
+    assert plan_cores(0, 1, allowed=allowed, cores="", threads="2").workers == (1, 2)
+    many = plan_cores(0, 2, allowed=allowed, cores="", threads="6")
     assert many.workers == (1, 2, 3, 0, 1, 2) and many.main is None
-    c = plan_cores(0, 1, allowed=allowed, env={"STELLA_CPU_CORES": "2-5"})
+    c = plan_cores(0, 1, allowed=allowed, cores="2-5", threads="")
     assert c.workers == (2, 3, 4, 5) and c.main is None and c.source == "STELLA_CPU_CORES"
-    c = plan_cores(1, 2, allowed=allowed, env={"STELLA_CPU_CORES": "1-3;5,7", "STELLA_CPU_THREADS": "1"})
+    c = plan_cores(1, 2, allowed=allowed, cores="1-3;5,7", threads="1")
     assert c.workers == (5,) and c.source == "STELLA_CPU_CORES+STELLA_CPU_THREADS"
     with pytest.raises(ValueError, match="may not run on"):
-        plan_cores(0, 1, allowed=[0, 1], env={"STELLA_CPU_CORES": "1-3"})
+        plan_cores(0, 1, allowed=[0, 1], cores="1-3", threads="")
     with pytest.raises(ValueError, match="STELLA_CPU_CORES"):
-        plan_cores(0, 1, allowed=allowed, env={"STELLA_CPU_CORES": "x"})
+        plan_cores(0, 1, allowed=allowed, cores="x", threads="")
     with pytest.raises(ValueError, match="per-rank lists"):
-        plan_cores(0, 3, allowed=allowed, env={"STELLA_CPU_CORES": "1;2"})
+        plan_cores(0, 3, allowed=allowed, cores="1;2", threads="")
     for bad in ("0", "-2", "two"):
         with pytest.raises(ValueError, match="STELLA_CPU_THREADS"):
-            plan_cores(0, 1, allowed=allowed, env={"STELLA_CPU_THREADS": bad})
+            plan_cores(0, 1, allowed=allowed, cores="", threads=bad)
     with pytest.raises(ValueError):
-        plan_cores(2, 2, allowed=allowed, env={})
+        plan_cores(2, 2, allowed=allowed, cores="", threads="")
 
 
 def test_plan_is_logged_at_debug(caplog):
     with caplog.at_level(logging.DEBUG, logger="stella_mpi"):
-        plan_cores(1, 2, allowed=range(4), env={})
+        plan_cores(1, 2, allowed=range(4), cores="", threads="")
     assert any("local rank 1/2" in r.getMessage() and "workers on cores [3]" in r.getMessage()
                for r in caplog.records)
 
 
+def test_plan_reads_the_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("STELLA_CPU_THREADS", "2")
+    monkeypatch.setenv("STELLA_CPU_CORES", "")
+    assert len(plan_cores(0, 1, allowed=range(4)).workers) == 2
+    monkeypatch.setenv("STELLA_CPU_CORES", "3")
+    assert plan_cores(0, 1, allowed=range(4)).workers == (3, 3)
+
+
 def test_plan_default_uses_real_affinity():
-    layout = plan_cores(0, 1, env={})
+    layout = plan_cores(0, 1, cores="", threads="")
     assert set(layout.workers) <= set(ALLOWED) and layout.allowed == tuple(ALLOWED)
 
 
@@ -117,7 +125,7 @@ def test_worker_affinity_read_back_from_proc():
         assert len(set(tids)) == len(cores)
         assert set(tids) <= {int(t) for t in os.listdir("/proc/self/task")}
         assert [_cpus_allowed_list(t) for t in tids] == [str(c) for c in cores]
-    layout = plan_cores(0, 1, env={})
+    layout = plan_cores(0, 1, cores="", threads="")
     with CpuPool(layout.workers) as p:
         assert [_cpus_allowed_list(t) for t in p.thread_ids()] == [str(c) for c in layout.workers]
 

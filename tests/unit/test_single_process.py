@@ -6,7 +6,7 @@ from mpi_launch import ROOT
 
 SCRIPT = r'''
 import torch, stella_mpi as hvd
-from stella_mpi.errors import HorovodInternalError
+from stella_mpi.base.errors import HorovodInternalError
 try:
     hvd.size()
 except ValueError as e:

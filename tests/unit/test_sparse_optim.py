@@ -1,4 +1,4 @@
-"""Sparse optimizer kernels (c_src/optim.c through stella_mpi.sparse_optim).
+"""Sparse optimizer kernels (c_src/optim.c through stella_mpi.optim.sparse_optim).
 
 Golden tests: at density 1.0 every mode equals torch.optim.SGD / Adam / AdamW step for step.
 EXACT at densities 0.01-0.5 equals the dense torch optimizer fed the same sparse gradients
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stella_mpi.sparse_optim import SparseAdam, SparseAdamW, SparseSGD
+from stella_mpi.optim.sparse_optim import SparseAdam, SparseAdamW, SparseSGD
 
 SGD_SETS = [
     dict(lr=0.1),

@@ -1,0 +1,267 @@
+"""The bandwidth-driven adjuster's cost model and decisions (pure: no MPI, no torch).
+
+Every ``interval`` steps each rank contributes one telemetry row (:data:`ROW_FIELDS`, per-step
+means over the window); the rows of all ranks are gathered over MPI by the session
+(:mod:`.session`) and every rank feeds the same rows to its own :class:`Controller`.
+The controller is deterministic given the rows, so all ranks take the same decision and apply
+it at the same step, with no server.
+
+Cost model (per optimizer step, P = backward passes per step, d = density)::
+
+    wire(d)  = messages * latency + bytes_per_density * d / bandwidth
+    sync     : step(d, P) = P * compute + fixed + wire(d)          (exchange after backward)
+    overlap  : step(d, P) = max(P * compute, fixed + wire(d))       (CPU engine, staleness 1)
+
+``fixed`` is what the step costs beyond compute and the wire (selection, merge, intra-cluster
+reduction, optimizer); the constants are re-fitted from each window. ``latency`` is at least
+the measured latency of a tiny message, and more when the exchange time has a part that does
+not grow with the payload (fitted through windows of different payloads, see fit_overhead). The bandwidth of a
+shard channel (the ranks owning the same shard in every cluster) is bytes over the *shortest*
+exchange time among its members: the member that arrived last did not wait for a late peer,
+so its time is the transfer itself. The bottleneck channel decides. Each estimate is the
+median of the last ``window`` samples: one outlier is ignored, a step change is followed
+after ``window // 2 + 1`` samples (one more to go up).
+
+A rung fits when the time its WAN payload adds to the step, ``step(d, P) - step(0, P)``, is
+at most ``(target - 1) * P * compute``: the density-independent part of the step (selection,
+merge, optimizer, message latency) is left out, since no density removes it.
+
+Decisions move along one ladder of rungs, from the most conservative to the most aggressive::
+
+    (P=max_passes, min_density) ... (P=2, min_density) (P=1, min_density) ... (P=1, max_density)
+
+(the accumulation rungs only with ``allow_accumulation``). The payload's share of the step over what the
+target allows only grows along the ladder, so the rungs that fit the budget form a prefix and the highest
+fitting rung is well defined; a lower bandwidth can only lower it (monotone). Hysteresis (on that
+excess ratio): stay while the current rung fits within ``1 + hysteresis``; move up only to a
+rung that fits within ``1 - hysteresis`` in two windows running; when the current rung no longer fits, drop at once to the highest
+rung that fits.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from .settings import AdjusterSettings
+
+# One row per rank and window; the plumbing fills it in this order (one source of truth).
+ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", "exchange_s", "engine_s",
+              "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group")
+F = {name: i for i, name in enumerate(ROW_FIELDS)}
+HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one decision is based on (medians over the window)."""
+    compute_s: float            # forward + backward of one pass, slowest rank
+    fixed_s: float              # step cost beyond compute and wire
+    latency_s: float            # per message, payload-independent overhead included
+    messages: float             # per step
+    bytes_per_density: float    # wire bytes per step and unit density, bottleneck channel
+    bandwidth_bps: float        # bottleneck shard channel, bits/s
+    wan_bandwidth_bps: float    # all shard channels together, bits/s
+    step_s: float               # measured step time
+
+
+@dataclass(frozen=True)
+class Decision:
+    density: float
+    passes: int
+    batch: Optional[Tuple[int, ...]]   # samples per pass of each rank (batch_split), else None
+    reason: str
+    changed: bool
+    estimate: Optional[Estimate] = None
+    predicted_step_s: Optional[float] = None
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def sample_from_rows(rows, overlap):
+    """One window's telemetry of all ranks (rows of ROW_FIELDS) -> a dict of aggregates, or
+    None when there was no cross-cluster traffic to learn from."""
+    compute = max(r[F["compute_s"]] / r[F["passes"]] for r in rows)   # per backward pass
+    step = max(r[F["step_s"]] for r in rows)
+    latency = min(r[F["latency_s"]] for r in rows)
+    groups = {}
+    for r in rows:
+        if r[F["wan_bytes"]] > 0:
+            groups.setdefault(int(r[F["group"]]), []).append(r)
+    if not groups or compute <= 0:
+        return None
+    density = rows[0][F["density"]]
+    channels = []
+    for g, members in sorted(groups.items()):
+        nbytes = max(m[F["wan_bytes"]] for m in members)
+        msgs = max(m[F["wan_messages"]] for m in members)
+        secs = min(m[F["exchange_s"]] for m in members)
+        transfer = max(secs - msgs * latency, 1e-6)
+        channels.append((nbytes, msgs, secs, 8.0 * nbytes / transfer))
+    nbytes, msgs, secs, bw = min(channels, key=lambda c: c[3])
+    if overlap:
+        rest = max(r[F["engine_s"]] for r in rows) - secs
+    else:
+        rest = step - compute * rows[0][F["passes"]] - secs   # selection, merge, optimizer, waits
+    return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
+            "bytes": nbytes, "exchange_s": secs, "bytes_per_density": nbytes / density,
+            "share": bw / sum(c[3] for c in channels), "step_s": step}
+
+
+def fit_overhead(history, floor):
+    """Per-step cost of the exchange that does not grow with the payload (message latency,
+    waking up, polling): the median intercept of the lines through pairs of samples whose
+    payloads differ by 1.5x or more, kept between ``floor`` (the measured latency) and 80 %
+    of the fastest exchange. Without such pairs: ``floor``."""
+    cuts = []
+    for i, a in enumerate(history):
+        for b in history[i + 1:]:
+            lo, hi = (a, b) if a["bytes"] < b["bytes"] else (b, a)
+            if hi["bytes"] >= 1.5 * lo["bytes"] > 0:
+                slope = (hi["exchange_s"] - lo["exchange_s"]) / (hi["bytes"] - lo["bytes"])
+                if slope > 0:
+                    cuts.append(lo["exchange_s"] - slope * lo["bytes"])
+    if not cuts:
+        return floor
+    return min(max(_median(cuts), floor), 0.8 * min(h["exchange_s"] for h in history))
+
+
+def split_batch(global_batch, throughput, current, tolerance=0.1):
+    """Samples per pass for each rank in proportion to ``throughput`` (samples/s), summing to
+    ``global_batch``, at least 1 each (largest remainder). Returns ``current`` unless the new
+    split shortens the slowest rank's pass by more than ``tolerance``."""
+    n = len(throughput)
+    if global_batch < n:
+        raise ValueError("global_batch %d is smaller than the number of ranks %d" % (global_batch, n))
+    tp = [max(float(t), 1e-12) for t in throughput]
+    total = sum(tp)
+    spare = global_batch - n
+    ideal = [spare * t / total for t in tp]
+    base = [int(math.floor(x)) for x in ideal]
+    order = sorted(range(n), key=lambda i: (-(ideal[i] - base[i]), i))
+    for i in order[:spare - sum(base)]:
+        base[i] += 1
+    new = tuple(b + 1 for b in base)
+    if current is None:
+        return new
+
+    def slowest(split):
+        return max(b / t for b, t in zip(split, tp))
+    return new if slowest(new) < (1.0 - tolerance) * slowest(current) else tuple(current)
+
+
+@dataclass
+class Controller:
+    """Deterministic decisions from gathered telemetry rows (one instance per rank).
+
+    ``overlap``: the CPU engine with staleness 1 (communication runs beside compute)."""
+    settings: AdjusterSettings
+    overlap: bool = False
+    density: float = None
+    passes: int = 1
+    batch: Optional[Tuple[int, ...]] = None
+    history: list = field(default_factory=list)
+    _up_candidates: list = field(default_factory=list)
+
+    def __post_init__(self):
+        s = self.settings
+        self.levels = s.densities()
+        if self.density is None:
+            self.density = s.max_density
+        self.density = min(max(self.density, s.min_density), s.max_density)
+        self.passes = max(1, int(self.passes))
+        passes = list(range(int(s.max_backward_passes), 1, -1)) if s.allow_accumulation else []
+        # rungs from the most conservative to the most aggressive
+        self.rungs = [(p, self.levels[0]) for p in passes] + [(1, d) for d in self.levels]
+        if self.passes > 1 and not s.allow_accumulation:
+            self.rungs = [(self.passes, d) for d in self.levels]   # the user's fixed accumulation
+
+    def _rung(self):
+        """Index of the rung nearest to the current setting."""
+        return min(range(len(self.rungs)), key=lambda i: (abs(self.rungs[i][0] - self.passes),
+                                                          abs(math.log(self.rungs[i][1] / self.density))))
+
+    def estimate(self):
+        """Medians over the recent windows; the payload-independent overhead is fitted over a
+        longer history (it is the machine's, not the link's, so it survives a rate change)."""
+        recent = self.history[-int(self.settings.window):]
+        lat = _median([h["latency_s"] for h in recent])
+        msgs = _median([h["messages"] for h in recent])
+        overhead = fit_overhead(self.history, msgs * lat)
+        bws = [8.0 * h["bytes"] / max(h["exchange_s"] - overhead, 1e-6) for h in recent]
+        bw = _median(bws)
+        wire_now = [overhead + 8.0 * h["bytes"] / bw for h in recent]
+        fixed = _median([max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)])
+        return Estimate(compute_s=_median([h["compute_s"] for h in recent]), fixed_s=fixed,
+                        latency_s=overhead / msgs if msgs else lat, messages=msgs,
+                        bytes_per_density=_median([h["bytes_per_density"] for h in recent]), bandwidth_bps=bw,
+                        wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
+                        step_s=_median([h["step_s"] for h in recent]))
+
+    def predict(self, est, passes, density):
+        wire = est.messages * est.latency_s + 8.0 * est.bytes_per_density * density / est.bandwidth_bps
+        if self.overlap:
+            return max(passes * est.compute_s, est.fixed_s + wire)
+        return passes * est.compute_s + est.fixed_s + wire
+
+    def _ratio(self, est, i):
+        """Step time the rung's WAN payload adds, over what the target allows (<= 1: fits).
+        What no density changes (selection, merge, optimizer, message latency) is not counted:
+        when it alone breaks the target, a lower density would cost accuracy and save nothing."""
+        p, d = self.rungs[i]
+        allowed = max((self.settings.target - 1.0) * p * est.compute_s, 1e-9)
+        return max(self.predict(est, p, d) - self.predict(est, p, 0.0), 0.0) / allowed
+
+    def observe(self, rows):
+        """Feed one window's rows (every rank's, in rank order); returns the Decision."""
+        s = self.settings
+        sample = sample_from_rows(rows, self.overlap)
+        batch, batch_reason = self._split(rows)
+        if sample is None:
+            return self._decide(self.density, self.passes, batch, batch_reason or "no cross-cluster traffic yet",
+                                None, None)
+        self.history = (self.history + [sample])[-max(int(s.window), HISTORY):]
+        est = self.estimate()
+        cur = self._rung()
+        h = s.hysteresis
+        fits = [self._ratio(est, i) for i in range(len(self.rungs))]
+        if fits[cur] <= 1.0 + h:
+            up = max([i for i in range(cur + 1, len(self.rungs)) if fits[i] <= 1.0 - h], default=cur)
+            # up only when two windows in a row allow it (a stall costs more than a lower density)
+            self._up_candidates = (self._up_candidates + [up])[-2:] if up > cur else []
+            new = min(self._up_candidates) if len(self._up_candidates) == 2 else cur
+            if new > cur:
+                self._up_candidates = []
+            reason = "bandwidth allows more" if new > cur else "steady"
+        else:
+            self._up_candidates = []
+            new = max([i for i in range(len(self.rungs)) if fits[i] <= 1.0], default=0)
+            reason = "communication exceeds the budget" if new > 0 or fits[0] <= 1.0 else \
+                "even the most conservative setting cannot hide communication"
+        p, d = self.rungs[new]
+        why = "%s: link %.0f Mbit/s, compute %.0f ms, predicted step %.0f ms (%.2fx compute, target %.2fx)" % (
+            reason, est.bandwidth_bps / 1e6, 1000 * est.compute_s, 1000 * self.predict(est, p, d),
+            self.predict(est, p, d) / (p * est.compute_s), s.target)
+        if batch_reason:
+            why += "; " + batch_reason
+        return self._decide(d, p, batch, why, est, self.predict(est, p, d))
+
+    def _split(self, rows):
+        s = self.settings
+        if not s.batch_split:
+            return None, None
+        current = tuple(int(r[F["batch"]]) for r in rows)
+        tp = [r[F["batch"]] * r[F["passes"]] / r[F["compute_s"]] if r[F["compute_s"]] > 0 else 0.0 for r in rows]
+        if min(tp) <= 0:
+            return current, None
+        new = split_batch(int(s.global_batch), tp, current)
+        return new, ("batch split %s by throughput" % list(new) if new != current else None)
+
+    def _decide(self, density, passes, batch, reason, est, predicted):
+        changed = (density != self.density or passes != self.passes or (batch is not None and batch != self.batch))
+        self.density, self.passes = density, passes
+        if batch is not None:
+            self.batch = batch
+        return Decision(density, passes, self.batch, reason, changed, est, predicted)

@@ -1,0 +1,66 @@
+"""The adjuster's settings: what the user asks of it (``hvd.Adjuster``)."""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class AdjusterSettings:
+    """What the user asks of the adjuster, passed to DistributedOptimizer (public name
+    ``hvd.Adjuster``: the settings; :class:`.controller.Controller` takes the decisions).
+
+    min_density, max_density: bounds of the density of the cross-cluster exchange.
+    target: allowed step time as a multiple of compute time (forward + backward), > 1.
+    allow_accumulation: when even ``min_density`` cannot be hidden, raise
+        backward_passes_per_step up to ``max_backward_passes`` (changes the effective batch:
+        see DistributedOptimizer's docstring for the learning-rate rule).
+    batch_split: split ``global_batch`` samples per pass over the ranks in proportion to their
+        measured throughput (``opt.local_batch_size()``), for clusters of unequal speed.
+    interval: steps per telemetry window (one small MPI all-gather per window).
+    window: windows whose median makes an estimate.
+    hysteresis: half-width of the dead band around the budget (a fraction).
+    levels_per_decade: density levels between min and max (geometric).
+    """
+    min_density: float = 1e-3
+    max_density: float = 0.1
+    target: float = 1.2
+    allow_accumulation: bool = False
+    max_backward_passes: int = 8
+    batch_split: bool = False
+    global_batch: Optional[int] = None
+    interval: int = 2
+    window: int = 3
+    hysteresis: float = 0.25
+    levels_per_decade: int = 6
+
+    def __post_init__(self):
+        for name in ("min_density", "max_density"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (0.0 < v <= 1.0):
+                raise ValueError("Adjuster: %s must be in (0, 1], got %r" % (name, v))
+        if self.min_density > self.max_density:
+            raise ValueError("Adjuster: min_density (%g) is larger than max_density (%g)"
+                             % (self.min_density, self.max_density))
+        if not self.target > 1.0:
+            raise ValueError("Adjuster: target is a multiple of compute time and must be > 1, got %r" % self.target)
+        if int(self.max_backward_passes) < 1:
+            raise ValueError("Adjuster: max_backward_passes must be >= 1")
+        if int(self.interval) < 1 or int(self.window) < 1:
+            raise ValueError("Adjuster: interval and window must be >= 1")
+        if not (0.0 <= self.hysteresis < 0.5):
+            raise ValueError("Adjuster: hysteresis must be in [0, 0.5), got %r" % self.hysteresis)
+        if int(self.levels_per_decade) < 1:
+            raise ValueError("Adjuster: levels_per_decade must be >= 1")
+        if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
+            raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
+
+    def densities(self):
+        """The density ladder: geometric from min_density to max_density (both included)."""
+        lo, hi = self.min_density, self.max_density
+        if hi / lo < 1.0 + 1e-9:
+            return (lo,)
+        n = max(1, int(math.ceil(math.log10(hi / lo) * self.levels_per_decade - 1e-9)))
+        return tuple(lo * (hi / lo) ** (i / n) for i in range(n)) + (hi,)
+
+
+Adjuster = AdjusterSettings   # the public name (hvd.Adjuster)

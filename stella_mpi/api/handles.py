@@ -1,0 +1,69 @@
+"""Handing an op to the collective thread and getting its result back: host staging of the
+tensors, the integer handles of Horovod's ``*_async`` calls, ``poll`` and ``synchronize``.
+
+CUDA tensors travel through host memory on this route: each call stages its inputs on the
+host, and the handle's post-processing copies the result back where the caller wants it."""
+import torch
+
+from ..base.errors import CollectiveNotInitializedError
+from ..core import state
+from ..core.collective_thread import Op
+from ..core.executors import EXECUTORS
+
+
+def collective_thread(what):
+    """The running collective thread; Horovod's error for a collective before ``init()``."""
+    rt = state.running()
+    if rt is None:
+        raise CollectiveNotInitializedError(what)
+    return rt.collective_thread
+
+
+def auto_name(prefix, process_set=None):
+    """Horovod-style name of an unnamed op (counted per process set, reset by ``shutdown()``)."""
+    rt = state.running()
+    if rt is None:
+        raise CollectiveNotInitializedError("hvd.%s" % prefix)
+    return rt.auto_name(prefix, process_set)
+
+
+def host(t):
+    """A contiguous CPU tensor with the data of ``t`` (``t`` itself when possible)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous()
+
+
+def staged(outputs, hosts):
+    """Host buffers the collective thread writes into (the outputs themselves when they are
+    contiguous CPU tensors), and the function that copies them back into ``outputs`` when the
+    op is done."""
+    host_outs = [o if (o.device.type == "cpu" and o.is_contiguous()) else torch.empty_like(h)
+                 for o, h in zip(outputs, hosts)]
+
+    def post(result):
+        for o, h in zip(outputs, host_outs):
+            if o is not h:
+                o.copy_(h)
+        return outputs
+    return host_outs, post
+
+
+def submit(kind, name, desc, inputs, pset, post):
+    """Queue an op of the public API; returns its handle."""
+    thread = collective_thread("hvd.%s" % kind)
+    return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset), post)
+
+
+def poll(handle):
+    """True when the op behind ``handle`` has finished (``synchronize`` will not wait)."""
+    return collective_thread("hvd.poll").poll(handle)
+
+
+def synchronize(handle):
+    """Wait for an async op and return its output (None for an unknown handle, as in Horovod)."""
+    thread = collective_thread("hvd.synchronize")
+    if not thread.known(handle):
+        return None
+    return thread.wait(handle)

@@ -1,0 +1,32 @@
+"""Starting and stopping, process sets, the counters, and Horovod's timeline calls."""
+from ..core import state
+from ..core.state import init, is_initialized, shutdown  # noqa: F401  (the public names live here)
+
+
+def add_process_set(process_set):
+    return state.current("hvd.add_process_set()").add_process_set(process_set)
+
+
+def remove_process_set(process_set):
+    return state.current("hvd.remove_process_set()").remove_process_set(process_set)
+
+
+def stats(end_step=False):
+    """Counters of the cross-cluster traffic: the last finished step and the totals.
+
+    ``last_step`` holds wan_bytes_sent/received, seconds in select/encode/exchange/decode/merge,
+    the density used and the residual's norm relative to the gradient's. DistributedOptimizer
+    closes a step at each synchronize(); ``end_step=True`` closes one by hand."""
+    rt = state.current("hvd.stats()")
+    if end_step:
+        rt.wan_stats.end_step()
+    return rt.wan_stats.snapshot()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Horovod's timeline is not implemented yet; accepted and ignored (see hvd.stats())."""
+    state.current("hvd.start_timeline()")
+
+
+def stop_timeline():
+    state.current("hvd.stop_timeline()")

@@ -1,0 +1,63 @@
+"""``hvd.reducescatter`` (grouped, async), with autograd."""
+import torch
+
+from ..compression import Compression
+from ..core.dtypes import dtype_name
+from ..core.process_sets import global_process_set
+from .allgather import allgather
+from .handles import auto_name, collective_thread, host, submit, synchronize
+from .reduce_ops import Average, Sum, op_name
+from .validation import check_tensor, checked_process_set, dense_compression
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    what = "hvd.reducescatter"
+    collective_thread(what)
+    pset = checked_process_set(process_set, what)
+    check_tensor(tensor, what)
+    if tensor.dim() == 0:
+        raise ValueError("%s: cannot reducescatter a rank-zero (scalar) tensor" % what)
+    opname = op_name(op, tensor.dtype)
+    name = name or auto_name("reducescatter", pset)
+    desc = {"kind": "reducescatter", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
+            "op": opname, "prescale": float(prescale_factor), "postscale": float(postscale_factor), "wire": None}
+    device = tensor.device
+    return submit("reducescatter", name, desc, (host(tensor),), pset,
+                  lambda out: out.to(device) if device.type != "cpu" else out)
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale, postscale):
+        ctx.args = (op, process_set, prescale, postscale)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, process_set, prescale, postscale = ctx.args
+        if op == Sum:
+            grad = grad * process_set.nranks
+        grad = grad * prescale * postscale if (prescale != 1.0 or postscale != 1.0) else grad
+        return allgather(grad.contiguous(), process_set=process_set), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
+    ``rows % size`` ranks get one extra row)."""
+    check_tensor(tensor, "hvd.reducescatter")
+    compression = dense_compression(compression, "hvd.reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        out = _ReducescatterFn.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    base = name or auto_name("grouped_reducescatter", process_set)
+    return [reducescatter(t, "%s_%dof%d" % (base, i + 1, len(tensors)), compression, op, process_set,
+                          prescale_factor, postscale_factor) for i, t in enumerate(tensors)]

@@ -1,0 +1,103 @@
+"""Settings read from the environment: the one place that names and reads each variable.
+
+Horovod's own variable names are accepted where one exists, so job scripts written for
+Horovod keep their tuning. ``stellarun`` (a separate package that never imports stella_mpi)
+writes some of these variables for the ranks it launches: ``STELLA_CLUSTER``,
+``STELLA_CLUSTERS``, ``STELLA_CLUSTER_MAP``, ``STELLA_TIMEOUT``, ``GLOO_SOCKET_IFNAME`` and the
+pacing pair ``STELLA_WAN_PACE_BPS``/``STELLA_WAN_PACE_DELAY_S``; ``tests/unit/test_layering.py``
+checks that every variable it writes is one read here.
+"""
+import os
+from dataclasses import dataclass
+
+CPU_CORES_VAR = "STELLA_CPU_CORES"
+CPU_THREADS_VAR = "STELLA_CPU_THREADS"
+
+
+def _env(names, default, cast):
+    for name in names:
+        v = os.environ.get(name)
+        if v not in (None, ""):
+            try:
+                return cast(v)
+            except ValueError:
+                raise ValueError("environment variable %s=%r is not a valid %s" % (name, v, cast.__name__)) from None
+    return default
+
+
+def _bool(v):
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(v)
+
+
+def _choice(name, default, choices):
+    v = _env([name], default, str).lower()
+    if v not in choices:
+        raise ValueError("%s must be %s or %s, not %r" % (name, ", ".join(choices[:-1]), choices[-1], v))
+    return v
+
+
+def _non_negative(name):
+    v = _env([name], 0.0, float)
+    if v < 0:
+        raise ValueError("%s must not be negative, not %r" % (name, v))
+    return v
+
+
+@dataclass(frozen=True)
+class Config:
+    timeout_s: float          # deadline of every wait on a peer
+    fusion_threshold: int     # bytes per gradient bucket
+    check_collectives: bool   # verify that all ranks submit the same collective
+    intra_backend: str        # "auto" | "mpi" | "gloo" for CPU tensors inside a cluster
+    cluster_label: str        # STELLA_CLUSTER (per rank) or ""
+    clusters_per_node: int    # STELLA_CLUSTERS (0: unset)
+    cluster_map: str          # STELLA_CLUSTER_MAP "host=label,host=label" (stellarun --cluster-of)
+    gloo_ifname: str          # interface gloo binds to ("" = pick)
+    log_level: str
+    seed: int                 # seed shared by all ranks (random-k draws)
+    sparse_algorithm: str     # "auto" | "allgather" | "tree": summing selections across clusters
+    cpu_cores: str = ""       # STELLA_CPU_CORES: the CPU engine's worker cores ("" = automatic)
+    cpu_threads: str = ""     # STELLA_CPU_THREADS: the CPU engine's worker count ("" = automatic)
+    wan_pace_bps: float = 0.0     # user-space pacing of cross-cluster sends (stellarun --wan without namespaces)
+    wan_pace_delay_s: float = 0.0  # one-way delay added per paced message round
+
+    @classmethod
+    def from_env(cls):
+        timeout = _env(["STELLA_TIMEOUT"], 120.0, float)
+        if timeout <= 0:
+            raise ValueError("STELLA_TIMEOUT must be positive seconds, not %r" % timeout)
+        clusters = _env(["STELLA_CLUSTERS"], 0, int)
+        if clusters < 0:
+            raise ValueError("STELLA_CLUSTERS must be a positive number of clusters per node")
+        return cls(
+            timeout_s=timeout,
+            fusion_threshold=_env(["STELLA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"], 64 * 1024 * 1024, int),
+            check_collectives=_env(["STELLA_CHECK_COLLECTIVES"], True, _bool),
+            intra_backend=_choice("STELLA_INTRA_BACKEND", "auto", ("auto", "mpi", "gloo")),
+            cluster_label=_env(["STELLA_CLUSTER"], "", str),
+            clusters_per_node=clusters,
+            cluster_map=_env(["STELLA_CLUSTER_MAP"], "", str),
+            gloo_ifname=_env(["STELLA_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"], "", str),
+            log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
+            seed=_env(["STELLA_SEED"], 0, int),
+            sparse_algorithm=_choice("STELLA_SPARSE_ALGO", "auto", ("auto", "allgather", "tree")),
+            cpu_cores=cpu_cores_setting(),
+            cpu_threads=cpu_threads_setting(),
+            wan_pace_bps=_non_negative("STELLA_WAN_PACE_BPS"),
+            wan_pace_delay_s=_non_negative("STELLA_WAN_PACE_DELAY_S"),
+        )
+
+
+def cpu_cores_setting():
+    """``STELLA_CPU_CORES`` as written ("" when unset); parsed where the pool is planned."""
+    return str(os.environ.get(CPU_CORES_VAR, "")).strip()
+
+
+def cpu_threads_setting():
+    """``STELLA_CPU_THREADS`` as written ("" when unset)."""
+    return str(os.environ.get(CPU_THREADS_VAR, "")).strip()

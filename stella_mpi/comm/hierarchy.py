@@ -1,0 +1,263 @@
+"""The two-level route of every collective of one process set, on flat CPU buffers.
+
+Inside a cluster the ``intra`` backend (MPI or gloo) moves the data; across
+clusters MPI does, on the communicators of :class:`.topology.Communicators`:
+
+* reduction across clusters (:meth:`Hierarchy.reduce_across_clusters`), the one sequence
+  that dense allreduce, the sparse route and the CPU engine share: with clusters of equal
+  size, reduce-scatter inside the cluster (:meth:`~Hierarchy.cluster_shard`), a cross-cluster
+  step on this rank's shard among the ranks owning the same shard in the other clusters, and
+  all-gather inside the cluster (:meth:`~Hierarchy.gather_shards`); every rank's link to the
+  WAN works. With clusters of unequal size: reduce to the cluster leader, the cross-cluster
+  step among the leaders on the whole buffer, broadcast inside the cluster.
+* the dense cross-cluster step (:meth:`Hierarchy.cross_reduce`): across two clusters each
+  rank swaps its shard with its peer and reduces (a OP b equals b OP a bit for bit, so both
+  agree); with more clusters, 16-bit floats are all-gathered and reduced in cluster order in C
+  (16-bit data crosses the WAN at 16 bits, results bit-identical everywhere), other dtypes use
+  MPI's allreduce. The sparse step is :func:`.sparse_exchange.sparse_cross_step`.
+* allgather and broadcast go leader to leader across clusters; alltoall is point to point
+  by nature and goes straight over the process set's communicator.
+
+Every byte that crosses clusters is counted in ``stats`` and paced by ``pacer``.
+"""
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .._native.dense import accumulate as _accumulate_f32
+from .buffers import byte_view, displacements, mpi_view, split_counts
+from .intra import MPI_OPS
+from .pacing import Pacer
+
+
+def compute_dtype(dtype):
+    """The dtype reductions run in: 16-bit floats in float32, bool as uint8."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype
+
+
+def accumulate(acc, src, op):
+    """acc = acc OP src, element-wise, in place. ``acc`` is in the compute dtype."""
+    if acc.numel() == 0:
+        return
+    if acc.dtype == torch.float32 and src.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        _accumulate_f32(acc, src, op)
+        return
+    src = src.to(acc.dtype)
+    if op == "sum":
+        acc.add_(src)
+    elif op == "product":
+        acc.mul_(src)
+    elif op == "min":
+        torch.minimum(acc, src, out=acc)
+    else:
+        torch.maximum(acc, src, out=acc)
+
+
+class Hierarchy:
+    """Collectives of one process set over its two levels.
+
+    ``ranks`` are the world ranks of the set (to name a peer in messages); ``stats`` counts the
+    cross-cluster traffic (``add(**counters)``, ``add_norms``); ``pacer`` emulates a slow link in
+    user space. ``sparse_algorithm`` ("auto", "allgather", "tree") picks how selections are
+    summed over 3+ clusters; ``tamper`` (tests only) is applied to this rank's outgoing sparse
+    payloads."""
+
+    def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto"):
+        self.comms = comms
+        self.topo = comms.topo
+        self.intra = intra
+        self.deadline = deadline
+        self.ranks = list(ranks)
+        self.stats = stats
+        self.pacer = pacer or Pacer()
+        self.sparse_algorithm = sparse_algorithm
+        self.tamper = None
+        self._scratch = {}
+
+    def scratch(self, slot, n, dtype):
+        """A reusable buffer of ``n`` elements (fresh allocations of large buffers cost page
+        faults on every call). Only the collective thread uses it, one op at a time; callers
+        never hand it out to users."""
+        buf = self._scratch.get((slot, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=dtype)
+            self._scratch[(slot, dtype)] = buf
+        return buf[:n]
+
+    # ---------------- reduction across clusters ----------------
+
+    def cluster_shard(self, buf, op, counts=None):
+        """Reduce-scatter ``buf`` inside the cluster: (this rank's shard, the shard sizes).
+        With one rank in the cluster the shard is ``buf`` itself."""
+        topo = self.topo
+        counts = split_counts(buf.numel(), topo.cluster_size) if counts is None else counts
+        if topo.cluster_size == 1:
+            return buf, counts
+        me = topo.cluster_rank
+        return self.intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype)), counts
+
+    def gather_shards(self, shard, counts, out):
+        """All-gather the cluster's shards (this rank's is ``shard``) into ``out``."""
+        if self.topo.cluster_size > 1:
+            self.intra.allgather_into(shard, counts, out)
+        elif shard is not out:
+            out.copy_(shard)
+
+    def reduce_across_clusters(self, buf, op, cross):
+        """Reduce ``buf`` (flat) over every rank, in place: ``op`` inside each cluster, and
+        ``cross(piece, comm, kind)`` across clusters, which reduces ``piece`` in place over
+        ``comm`` (``kind`` "shard": the owners of this shard in every cluster; "leader": the
+        cluster leaders, unequal clusters)."""
+        topo = self.topo
+        if topo.uniform_clusters:
+            shard, counts = self.cluster_shard(buf, op)
+            cross(shard, self.comms.shard, "shard")
+            self.gather_shards(shard, counts, buf)
+            return
+        if topo.cluster_size > 1:
+            self.intra.reduce(buf, op, root=0)
+        if topo.cluster_rank == 0:
+            cross(buf, self.comms.leaders, "leader")
+        if topo.cluster_size > 1:
+            self.intra.bcast(buf, root=0)
+
+    def allreduce(self, buf, op, wire_dtype=None):
+        """Reduce ``buf`` (flat, compute dtype) over all ranks, in place.
+
+        ``wire_dtype`` (float16/bfloat16) is the dtype that crosses the WAN."""
+        topo = self.topo
+        if topo.size == 1:
+            return
+        if topo.num_clusters == 1:
+            self.intra.allreduce(buf, op)
+            return
+        self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))
+
+    def cross_reduce(self, buf, op, comm, wire_dtype=None):
+        """The dense cross-cluster step: reduce ``buf`` in place over ``comm`` (one rank per
+        cluster), with ``wire_dtype`` on the wire when given."""
+        nclusters = comm.Get_size()
+        n = buf.numel()
+        if nclusters == 1 or n == 0:
+            return
+        small_float = wire_dtype in (torch.float16, torch.bfloat16)
+        if small_float:
+            wire = self.scratch("wire", n, wire_dtype)
+            wire.copy_(buf)
+        else:
+            wire = buf
+        item = wire.element_size()
+        if nclusters == 2 or small_float:
+            moved = n * item * (nclusters - 1)
+        else:
+            moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
+        self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
+        started = time.monotonic()
+        if nclusters == 2:
+            # exchange with the one peer; a OP b == b OP a bit for bit, so both sides agree
+            other = self.scratch("peer", n, wire.dtype)
+            peer = 1 - comm.Get_rank()
+            self.deadline.wait_all([comm.Isend(mpi_view(wire), dest=peer, tag=77),
+                                    comm.Irecv(mpi_view(other), source=peer, tag=77)], "cross-cluster exchange")
+            if small_float:
+                # round our own part the same way as the peer's, so that both sums match
+                buf.copy_(wire)
+            accumulate(buf, other, op)
+        elif small_float:
+            gathered = self.scratch("gather", nclusters * n, wire.dtype).view(nclusters, n)
+            self.deadline.wait(comm.Iallgather(mpi_view(wire), mpi_view(gathered)), "cross-cluster allgather")
+            buf.copy_(gathered[0])
+            for c in range(1, nclusters):
+                accumulate(buf, gathered[c], op)
+        else:
+            self.deadline.wait(comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI_OPS[op]),
+                               "cross-cluster allreduce")
+        self.pacer.pace(moved, started)
+
+    # ---------------- allgather ----------------
+
+    def allgatherv(self, data, counts):
+        """Concatenate each rank's bytes (``data`` is a uint8 tensor, ``counts[r]`` its length
+        on rank r) in rank order."""
+        topo, comms = self.topo, self.comms
+        total = int(sum(counts))
+        out = torch.empty(total, dtype=torch.uint8)
+        if topo.size == 1:
+            out.copy_(data)
+            return out
+        if topo.num_clusters == 1:
+            self.deadline.wait(comms.comm.Iallgatherv(byte_view(data), [out.numpy(), counts, displacements(counts),
+                                                                        MPI.BYTE]), "allgather")
+            return out
+        # 1. gather the cluster's pieces at its leader (in cluster-member order)
+        members = topo.cluster_members
+        my_counts = [counts[r] for r in members[topo.cluster_id]]
+        block = torch.empty(sum(my_counts), dtype=torch.uint8)
+        self.deadline.wait(comms.cluster.Igatherv(byte_view(data), [block.numpy(), my_counts, displacements(my_counts),
+                                                                    MPI.BYTE]
+                                                  if topo.cluster_rank == 0 else None, root=0), "intra-cluster gather")
+        # 2. leaders exchange cluster blocks
+        order = [r for m in members for r in m]
+        stacked = torch.empty(total, dtype=torch.uint8)
+        if topo.cluster_rank == 0:
+            block_counts = [sum(counts[r] for r in m) for m in members]
+            self.deadline.wait(comms.leaders.Iallgatherv(block.numpy(), [stacked.numpy(), block_counts,
+                                                                         displacements(block_counts), MPI.BYTE]),
+                               "cross-cluster allgather")
+        # 3. leader hands the whole result to its cluster
+        if topo.cluster_size > 1 and total:
+            self.deadline.wait(comms.cluster.Ibcast(stacked.numpy(), root=0), "intra-cluster broadcast")
+        # 4. cluster order -> rank order
+        offsets, pos = {}, 0
+        for r in order:
+            offsets[r] = pos
+            pos += counts[r]
+        start = 0
+        for r in range(topo.size):
+            out[start:start + counts[r]] = stacked[offsets[r]:offsets[r] + counts[r]]
+            start += counts[r]
+        return out
+
+    # ---------------- broadcast ----------------
+
+    def broadcast(self, buf, root):
+        """Broadcast the bytes of ``buf`` (uint8, same length everywhere) from set rank ``root``."""
+        topo, comms = self.topo, self.comms
+        if topo.size == 1 or buf.numel() == 0:
+            return
+        data = buf.numpy()
+        root_cluster = topo.cluster_of_rank[root]
+        if topo.num_clusters == 1:
+            self.deadline.wait(comms.comm.Ibcast(data, root=root), "broadcast")
+            return
+        members = topo.cluster_members[root_cluster]
+        if topo.cluster_id == root_cluster and len(members) > 1:
+            self.deadline.wait(comms.cluster.Ibcast(data, root=members.index(root)), "intra-cluster broadcast")
+        if topo.cluster_rank == 0:
+            self.deadline.wait(comms.leaders.Ibcast(data, root=root_cluster), "cross-cluster broadcast")
+        if topo.cluster_id != root_cluster and topo.cluster_size > 1:
+            self.deadline.wait(comms.cluster.Ibcast(data, root=0), "intra-cluster broadcast")
+
+    # ---------------- alltoall ----------------
+
+    def alltoallv(self, data, send_counts):
+        """Send ``send_counts[r]`` bytes of ``data`` (uint8, in rank order) to each rank r.
+        Returns (received bytes, receive counts)."""
+        comm = self.comms.comm
+        sc = np.asarray(send_counts, dtype=np.int64)
+        rc = np.empty_like(sc)
+        self.deadline.wait(comm.Ialltoall(sc, rc), "alltoall (splits)")
+        out = torch.empty(int(rc.sum()), dtype=torch.uint8)
+        self.deadline.wait(comm.Ialltoallv([byte_view(data), sc.tolist(), displacements(sc.tolist()), MPI.BYTE],
+                                           [out.numpy(), rc.tolist(), displacements(rc.tolist()), MPI.BYTE]),
+                           "alltoall")
+        return out, rc.tolist()
+
+    def barrier(self):
+        self.deadline.wait(self.comms.comm.Ibarrier(), "barrier")

@@ -1,0 +1,217 @@
+"""The compression contracts.
+
+Two kinds of compressor share one registry (:mod:`.registry`):
+
+* dense compressors keep Horovod's contract exactly: ``compress(tensor) ->
+  (tensor_compressed, ctx)`` and ``decompress(tensor_compressed, ctx) ->
+  tensor``. ``Compression.none``, ``Compression.fp16`` and ``Compression.bf16``
+  (:mod:`.dense`) are of this kind; they may be used inside a cluster and across clusters.
+* sparse compressors (:class:`SparseCompressor`, ``sparse = True``) select a fraction of a
+  flat float32 gradient shard. They are only used on the cross-cluster (WAN) hop, through
+  three small contracts: ``select`` (with error feedback), ``encode`` and ``decode``. They
+  receive a :class:`TensorContext` that tells them the tensor's name, the step, its shape and
+  a seed shared by all ranks. One module per algorithm implements ``_select``.
+
+A new sparse compressor subclasses :class:`SparseCompressor`, implements ``_select`` (and
+``_expected_key`` if its payload carries no indices), and is listed in :mod:`.registry`.
+"""
+import copy
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .._native import compress as kernels
+
+__all__ = ["TensorContext", "Compressor", "Selection", "SparseCompressor"]
+
+
+@dataclass(frozen=True)
+class TensorContext:
+    """What a compressor may know about the tensor it compresses."""
+    name: str
+    step: int
+    shape: tuple
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+class Compressor:
+    """Base of every compressor; the Horovod contract (static methods work on the class too)."""
+    name = "base"
+    sparse = False
+    wire_dtype = None  # dtype on the wire for dense compressors (None: unchanged)
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+    def settings(self):
+        """A tuple that must be equal on every rank (checked at the first exchange)."""
+        return (self.name,)
+
+
+@dataclass
+class Selection:
+    """Entries selected from a flat tensor of ``numel`` float32 elements.
+
+    indices: 1-D torch.int32, strictly ascending, each in [0, numel).
+    values:  1-D torch.float32, the same length (already rounded to the wire
+             dtype when the compressor sends float16/bfloat16).
+    key:     the random-k key when the indices are the random-k draw (the
+             payload then carries values only), else None.
+    """
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+    key: Optional[int] = None
+
+    def __len__(self):
+        return self.indices.numel()
+
+    def to_dense(self):
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        if len(self):
+            kernels.scatter_add(out, self.indices, self.values)
+        return out
+
+
+def _flat_f32(tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError("expected a torch tensor, got %s" % type(tensor).__name__)
+    if tensor.dtype != torch.float32:
+        raise TypeError("sparse compressors take float32 tensors, got %s" % tensor.dtype)
+    if tensor.device.type != "cpu":
+        raise ValueError("sparse compressors run on the CPU; got a %s tensor" % tensor.device)
+    if not tensor.is_contiguous():
+        raise ValueError("the tensor must be contiguous")
+    return tensor.detach().view(-1)
+
+
+_WIRE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SparseCompressor(Compressor):
+    """Base of the sparse compressors: density, value dtype on the wire, and
+    per-tensor selection state (carried thresholds, scratch memory).
+
+    Tensors with fewer than ``16 / density`` elements are selected with the exact top-k
+    whatever the compressor (a block or a random draw would be too coarse),
+    k = max(1, round(density * numel))."""
+    name = "sparse"
+    sparse = True
+
+    def __init__(self, density=0.01, value_dtype="float32", error_feedback=True):
+        density = float(density)
+        if not (0.0 < density <= 1.0):
+            raise ValueError("density must be in (0, 1], got %r" % density)
+        self.density = density
+        # keep what was not sent and add it to the next step's gradient (the exchange
+        # passes a Memory to select() only when this is on)
+        self.error_feedback = bool(error_feedback)
+        self.value_dtype = kernels.value_dtype_name(value_dtype)
+        self._states = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return "%s(density=%g, value_dtype=%r, error_feedback=%s)" % (type(self).__name__, self.density,
+                                                                     self.value_dtype, self.error_feedback)
+
+    def settings(self):
+        return (self.name, self.density, self.value_dtype, self.error_feedback) + self._extra_settings()
+
+    def with_density(self, density):
+        """A copy that sends ``density`` of the entries and shares this one's per-tensor
+        selection state (the adjuster switches density between steps; collectives already
+        queued keep the compressor they were launched with)."""
+        density = float(density)
+        if not (0.0 < density <= 1.0):
+            raise ValueError("density must be in (0, 1], got %r" % density)
+        other = copy.copy(self)
+        other.density = density
+        return other
+
+    def _extra_settings(self):
+        return ()
+
+    # Horovod's dense contract does not apply: the WAN exchange calls select/encode/decode.
+    def compress(self, tensor):
+        raise TypeError("%s is a sparse compressor: use select/encode/decode (cross-cluster hop)" % self.name)
+
+    def decompress(self, tensor, ctx):
+        raise TypeError("%s is a sparse compressor: use select/encode/decode (cross-cluster hop)" % self.name)
+
+    def k_for(self, numel):
+        """Entries to send for a tensor of numel elements."""
+        if numel <= 0:
+            return 0
+        return max(1, min(numel, int(round(self.density * numel))))
+
+    def is_small(self, numel):
+        return numel < 16.0 / self.density
+
+    def state(self, name):
+        """The selection state of one tensor (created on first use)."""
+        with self._lock:
+            st = self._states.get(name)
+            if st is None:
+                st = kernels.SelState()
+                self._states[name] = st
+            return st
+
+    def select(self, tensor, ctx, memory=None):
+        """Select entries of a flat float32 CPU tensor. With ``memory`` (error
+        feedback) acc = tensor + residual[ctx.name]; entries are taken from acc
+        and the residual becomes acc minus what is sent, so that, bit for bit,
+        sent + residual == acc (for 16-bit wire values the rounding error stays
+        in the residual, exact while |acc| < 2x the largest finite wire value)."""
+        flat = _flat_f32(tensor)
+        n = flat.numel()
+        if n > kernels.MAX_NUMEL:
+            raise ValueError("tensor %r has %d elements; split it below %d" % (ctx.name, n, kernels.MAX_NUMEL))
+        residual = memory.residual(ctx.name, n) if memory is not None else None
+        k = self.k_for(n)
+        key = None
+        if n == 0:
+            idx, val = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
+        elif self.is_small(n):
+            idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+        else:
+            idx, val, key = self._select(flat, n, k, residual, ctx)
+        if self.value_dtype != "float32" and len(idx):
+            val = self._round_to_wire(idx, val, residual)
+        return Selection(idx, val, n, key)
+
+    def _select(self, flat, n, k, residual, ctx):
+        """(indices, values, random-k key or None) of k entries of ``flat`` (+ ``residual``)."""
+        raise NotImplementedError
+
+    def _round_to_wire(self, idx, val, residual):
+        wire = _WIRE[self.value_dtype]
+        finfo = torch.finfo(wire)
+        finite = torch.isfinite(val)
+        q = torch.where(finite, val.clamp(-finfo.max, finfo.max), val).to(wire).to(torch.float32)
+        if residual is not None:
+            err = torch.where(finite, val - q, torch.zeros_like(val))
+            residual.index_copy_(0, idx.long(), err)
+        return q
+
+    def encode(self, sel, ctx):
+        """Payload of a selection: 1-D torch.uint8, the smallest index scheme
+        (16-bit offsets, block ids, values only for random-k and dense)."""
+        if sel.key is not None:
+            return kernels.randomk_encode(sel.key, sel.values, sel.numel, self.value_dtype)
+        return kernels.encode(sel.indices, sel.values, sel.numel, "auto", self.value_dtype)
+
+    def decode(self, payload, ctx, numel):
+        """Validate and decode a payload from a peer (MalformedPayloadError naming what is wrong)."""
+        idx, val = kernels.decode(payload, numel, self._expected_key(ctx, numel))
+        return Selection(idx, val, int(numel))
+
+    def _expected_key(self, ctx, numel):
+        return 0

@@ -1,0 +1,12 @@
+"""Exact top-k by magnitude, with error feedback fused into the C selection pass."""
+from .._native import compress as kernels
+from .contracts import SparseCompressor
+
+
+class TopKCompressor(SparseCompressor):
+    """Exact top-k by magnitude (a selection algorithm, not a sort)."""
+    name = "topk"
+
+    def _select(self, flat, n, k, residual, ctx):
+        idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+        return idx, val, None

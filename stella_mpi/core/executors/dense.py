@@ -1,0 +1,132 @@
+"""Executors of the dense collectives: what the collective thread runs for each op.
+
+Each executor is a function of (process set, description, inputs, joined), and each has a
+neutral-input builder: the description alone fixes what moves, so a rank that has joined
+(``hvd.join``) can take part with neutral inputs.
+"""
+import numpy as np
+import torch
+
+from ...comm.buffers import split_counts
+from ...comm.hierarchy import compute_dtype
+from ..dtypes import DTYPES, identity
+from ..fusion import fuse, scale, unfuse
+
+
+# ---------------- allreduce (one or a group of tensors) ----------------
+
+def execute_allreduce(pset, desc, inputs, joined):
+    """inputs: (tensors, outputs). Tensors of one dtype are fused into one buffer."""
+    tensors, outputs = inputs
+    dtype = DTYPES[desc["dtype"]]
+    op = desc["op"]
+    buf, direct = fuse(tensors, outputs, compute_dtype(dtype))
+    if desc["prescale"] != 1.0:
+        scale(buf, desc["prescale"])
+    wire = DTYPES[desc["wire"]] if desc.get("wire") else None
+    if wire is None and dtype in (torch.float16, torch.bfloat16):
+        wire = dtype
+    pset.hierarchy.allreduce(buf, "sum" if op == "average" else op, wire)
+    factor = desc["postscale"]
+    if op == "average":
+        factor = factor / pset.nranks
+    if factor != 1.0:
+        scale(buf, factor)
+    if not direct:
+        unfuse(buf, outputs)
+    return outputs
+
+
+def neutral_allreduce(desc):
+    dtype = DTYPES[desc["dtype"]]
+    fill = identity(desc["op"], dtype)
+    tensors = [torch.full(tuple(s), fill, dtype=dtype) for s in desc["shapes"]]
+    return (tensors, [torch.empty_like(t) for t in tensors])
+
+
+# ---------------- allgather ----------------
+
+def _exchange_counts(pset, mine, what):
+    counts = np.zeros(pset.nranks, dtype=np.int64)
+    pset.deadline.wait(pset.comms.comm.Iallgather(np.array([mine], dtype=np.int64), counts), what)
+    return counts.tolist()
+
+
+def execute_allgather(pset, desc, inputs, joined):
+    (tensor,) = inputs
+    dtype = DTYPES[desc["dtype"]]
+    trailing = tuple(desc["trailing"])
+    rows = _exchange_counts(pset, tensor.shape[0] if tensor.dim() else 1, "allgather sizes")
+    row_bytes = int(np.prod(trailing, dtype=np.int64)) * tensor.element_size()
+    data = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+    out = pset.hierarchy.allgatherv(data, [r * row_bytes for r in rows])
+    result = out.view(dtype) if out.numel() else torch.empty(0, dtype=dtype)
+    return result.reshape((sum(rows),) + trailing), rows
+
+
+def neutral_allgather(desc):
+    return ([torch.empty((0,) + tuple(desc["trailing"]), dtype=DTYPES[desc["dtype"]])],)
+
+
+# ---------------- broadcast ----------------
+
+def execute_broadcast(pset, desc, inputs, joined):
+    tensor, output = inputs
+    root = desc["root"]
+    buf = tensor.detach().contiguous().reshape(-1).clone()
+    if buf.numel():
+        pset.hierarchy.broadcast(buf.view(torch.uint8), pset.ranks.index(root))
+    output.reshape(-1).copy_(buf) if output.is_contiguous() else output.copy_(buf.reshape(output.shape))
+    return output
+
+
+def neutral_broadcast(desc):
+    t = torch.zeros(tuple(desc["shape"]), dtype=DTYPES[desc["dtype"]])
+    return (t, torch.empty_like(t))
+
+
+# ---------------- alltoall ----------------
+
+def execute_alltoall(pset, desc, inputs, joined):
+    tensor, splits = inputs
+    dtype = DTYPES[desc["dtype"]]
+    trailing = tuple(desc["trailing"])
+    row_bytes = int(np.prod(trailing, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    data = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+    out, recv = pset.hierarchy.alltoallv(data, [int(s) * row_bytes for s in splits])
+    recv_rows = [r // row_bytes if row_bytes else 0 for r in recv]
+    result = out.view(dtype) if out.numel() else torch.empty(0, dtype=dtype)
+    return result.reshape((sum(recv_rows),) + trailing), torch.tensor(recv_rows, dtype=torch.int32)
+
+
+def neutral_alltoall(desc):
+    dtype = DTYPES[desc["dtype"]]
+    return (torch.empty((0,) + tuple(desc["trailing"]), dtype=dtype), [0] * desc["size"])
+
+
+# ---------------- reducescatter ----------------
+
+def execute_reducescatter(pset, desc, inputs, joined):
+    """The rows of dim 0 each rank receives: the first ``rows % size`` ranks get one more."""
+    (tensor,) = inputs
+    full = torch.empty_like(tensor)
+    execute_allreduce(pset, dict(desc, shapes=[list(tensor.shape)]), ([tensor], [full]), joined)
+    counts = split_counts(tensor.shape[0], pset.nranks)
+    me = pset.set_rank
+    start = sum(counts[:me])
+    return full[start:start + counts[me]].clone()
+
+
+def neutral_reducescatter(desc):
+    dtype = DTYPES[desc["dtype"]]
+    return ([torch.full(tuple(desc["shape"]), identity(desc["op"], dtype), dtype=dtype)],)
+
+
+# ---------------- barrier ----------------
+
+def execute_barrier(pset, desc, inputs, joined):
+    pset.hierarchy.barrier()
+
+
+def neutral_barrier(desc):
+    return ()

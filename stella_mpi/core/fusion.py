@@ -1,0 +1,39 @@
+"""Fusion buffers: several tensors reduced as one flat buffer, and scaling in place."""
+import torch
+
+
+def fuse(tensors, outputs, cdt):
+    """(flat buffer in dtype ``cdt``, direct). Direct: one contiguous tensor already in ``cdt``
+    is reduced in its output itself, with no fusion buffer and no copy back."""
+    if len(tensors) == 1 and tensors[0].dtype == cdt and outputs[0].is_contiguous():
+        buf = outputs[0].view(-1)
+        if outputs[0] is not tensors[0]:
+            buf.copy_(tensors[0].reshape(-1))
+        return buf, True
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt)
+    pos = 0
+    for t in tensors:
+        buf[pos:pos + t.numel()].copy_(t.reshape(-1))
+        pos += t.numel()
+    return buf, False
+
+
+def unfuse(buf, outputs):
+    """Copy the reduced buffer back into the outputs (casting to their dtype)."""
+    pos = 0
+    for out in outputs:
+        n = out.numel()
+        if out.is_contiguous():
+            out.view(-1).copy_(buf[pos:pos + n])
+        else:
+            out.copy_(buf[pos:pos + n].view(out.shape))
+        pos += n
+
+
+def scale(buf, factor):
+    """Multiply in place; integer tensors are scaled in float64 and truncated toward zero,
+    as Horovod does."""
+    if buf.dtype.is_floating_point:
+        buf.mul_(factor)
+    else:
+        buf.copy_((buf.to(torch.float64) * factor).trunc().to(buf.dtype))

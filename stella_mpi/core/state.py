@@ -1,0 +1,185 @@
+"""Process-wide state: the one :class:`Runtime` object that ``init()`` creates and
+``shutdown()`` drops, and the ``excepthook`` that ends the job when a rank dies of an
+uncaught exception.
+
+Everything a run accumulates lives in the Runtime: the settings, the world communicator,
+the registered process sets, the collective thread with its handles, the cross-cluster
+counters, the error-feedback residuals and step counters of ``hvd.allreduce`` with a sparse
+compressor, and the counters that name unnamed collectives. After ``shutdown()`` nothing of
+a run is left, and ``init()`` starts from scratch. The Horovod API reads the state through
+:func:`current`, which raises Horovod's error before ``init()``.
+"""
+import atexit
+import itertools
+import logging
+import sys
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+from ..base.config import Config
+from ..base.errors import NotInitializedError
+from ..comm.pacing import Pacer
+from ..comm.topology import cluster_label
+from ..compression.memory import Memory
+from .collective_thread import CollectiveThread
+from .counters import WanStats
+from .process_sets import ProcessSet, global_process_set
+
+log = logging.getLogger("stella_mpi")
+
+
+class Runtime:
+    """Everything ``init()`` creates; torn down by ``shutdown()``."""
+
+    def __init__(self, comm, process_sets):
+        self.config = Config.from_env()
+        logging.basicConfig()
+        log.setLevel(self.config.log_level.upper() if self.config.log_level.upper() in
+                     ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING")
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif isinstance(comm, (list, tuple)):
+            world = MPI.COMM_WORLD
+            ranks = sorted(comm)
+            group = world.Get_group().Incl(ranks)
+            comm = world.Create_group(group)
+            group.Free()
+        self.world = comm.Dup()
+        self.rank = self.world.Get_rank()
+        self.size = self.world.Get_size()
+        cfg = self.config
+        self.wan_stats = WanStats()
+        self.pacer = Pacer(cfg.wan_pace_bps, cfg.wan_pace_delay_s)
+        self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
+        self.sparse_steps = {}          # name -> steps taken by hvd.allreduce(..., compression=sparse)
+        self._auto_names = {}           # (prefix, process set id) -> counter naming unnamed collectives
+        self._auto_lock = threading.Lock()
+        global_process_set.ranks = list(range(self.size))
+        self._build(global_process_set, is_global=True)
+        global_process_set.process_set_id = 0
+        self.process_sets = {0: global_process_set}
+        self.collective_thread = CollectiveThread(self.rank, cfg)
+        for ps in process_sets or []:
+            self.add_process_set(ps)
+        topo = global_process_set.topology
+        log.debug("rank %d: node %d (local %d/%d), cluster %d/%d (cluster rank %d/%d), intra backend %s",
+                  self.rank, topo.node_id, topo.local_rank, topo.local_size, topo.cluster_id,
+                  topo.num_clusters, topo.cluster_rank, topo.cluster_size, global_process_set.intra.name)
+
+    def _build(self, ps, is_global):
+        cfg = self.config
+        ps._build(self.world, cfg, lambda node_id, lr, ls: cluster_label(cfg, node_id, lr, ls), is_global,
+                  self.wan_stats, self.pacer)
+
+    def auto_name(self, prefix, process_set=None):
+        """Horovod-style name for an unnamed op. Counted per process set, so that ranks outside a
+        set (which never submit its ops) keep the same count as the members for the others."""
+        set_id = getattr(process_set, "process_set_id", 0) or 0
+        with self._auto_lock:
+            n = next(self._auto_names.setdefault((prefix, set_id), itertools.count()))
+        return "%s.noname.%d" % (prefix, n) if not set_id else "%s.set%d.noname.%d" % (prefix, set_id, n)
+
+    def add_process_set(self, ps):
+        if not isinstance(ps, ProcessSet):
+            ps = ProcessSet(ps)
+        if ps.process_set_id is not None:
+            raise ValueError("%r is already registered" % ps)
+        if ps._mpi_comm is not None:
+            # a communicator names its members; gather them as world ranks
+            sub = ps._mpi_comm
+            mine = np.array([self.rank], dtype=np.int64)
+            members = np.zeros(sub.Get_size(), dtype=np.int64)
+            sub.Allgather(mine, members)
+            ps.ranks = sorted(members.tolist())
+        existing = [p for p in self.process_sets.values() if p.ranks == ps.ranks]
+        if existing:
+            raise ValueError("a process set with ranks %s already exists (id %d)" % (ps.ranks, existing[0].process_set_id))
+        self._build(ps, is_global=False)
+        ps.process_set_id = max(self.process_sets) + 1
+        self.process_sets[ps.process_set_id] = ps
+        return ps
+
+    def remove_process_set(self, ps):
+        if ps.process_set_id in (None, 0):
+            raise ValueError("cannot remove %r" % ps)
+        global_process_set.deadline.wait(self.world.Ibarrier(), "process set change")
+        del self.process_sets[ps.process_set_id]
+        ps._free()
+        ps.process_set_id = None
+        return True
+
+    def close(self):
+        self.collective_thread.stop()
+        for ps in list(self.process_sets.values()):
+            ps._free()
+            ps.process_set_id = None
+        self.world.Free()
+
+
+_runtime = None
+_lock = threading.Lock()
+_prev_excepthook = None
+
+
+def current(what="this operation"):
+    """The running Runtime; Horovod's ValueError before ``init()``."""
+    if _runtime is None:
+        raise NotInitializedError(what)
+    return _runtime
+
+
+def running():
+    """The running Runtime, or None."""
+    return _runtime
+
+
+def is_initialized():
+    return _runtime is not None
+
+
+def _abort_on_uncaught(exc_type, exc, tb):
+    """An uncaught exception on one rank ends the job on every rank, naming this rank."""
+    try:
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write("stella_mpi: rank %d raised an uncaught %s; ending the job on every rank\n"
+                         % (rank, exc_type.__name__))
+        (_prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+        sys.stderr.flush()
+    finally:
+        if MPI.COMM_WORLD.Get_size() > 1 and not issubclass(exc_type, (SystemExit,)):
+            import time
+            time.sleep(0.5)  # let the launcher forward the traceback before the job is torn down
+            MPI.COMM_WORLD.Abort(1)
+
+
+def init(comm=None, process_sets=None):
+    """Start stella_mpi (idempotent). ``comm``: an mpi4py communicator or a list of world
+    ranks to run on (default: all); ``process_sets``: ProcessSets to register now."""
+    global _runtime, _prev_excepthook
+    with _lock:
+        if _runtime is not None:
+            for ps in process_sets or []:
+                if isinstance(ps, ProcessSet) and ps.process_set_id is None:
+                    _runtime.add_process_set(ps)
+            return
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        _runtime = Runtime(comm, process_sets)
+        if _prev_excepthook is None:
+            _prev_excepthook = sys.excepthook
+            sys.excepthook = _abort_on_uncaught
+
+
+def shutdown():
+    """Stop the collective thread and free every communicator. ``init()`` may be called again."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            return
+        rt, _runtime = _runtime, None
+        rt.close()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,381 @@
+"""The CPU engine: ``DistributedOptimizer(opt, ..., engine="cpu", staleness=1)``.
+
+The user's SGD/Adam/AdamW is replaced by the C sparse optimizer (:mod:`.sparse_optim`)
+running on a pool of worker threads pinned to their own cores (:mod:`stella_mpi._native.pool`).
+Each rank keeps a float32 master copy of its shard of every bucket. For one bucket and step t,
+on the collective thread, while the training thread goes on::
+
+    gradient (copied at hook time) -> reduce-scatter inside the cluster -> this rank's shard
+    -> [more than one cluster] sparse selection with error feedback, WAN exchange, merge
+    -> sparse optimizer step on the master shard (worker pool)
+    -> all-gather of the updated shards inside the cluster -> staging buffer of step t
+
+The training thread copies a staged update into the model's parameters itself, in a
+forward pre-hook of the module that owns them, so a forward never sees a half-applied
+update. Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
+s = 1 the update of step t runs while step t+1 computes; with s = 0 ``step()`` waits.
+Exactly the required update is applied (not a newer one that happens to be ready), so
+every rank computes with the same parameters.
+
+Stale prediction (``stale_prediction``, default with exact semantics): for staleness 1 the staged
+weights are not the master but the master one zero-gradient step ahead
+(``SparseOptimizer.lookahead``: momentum and weight decay of the next update are known before its
+gradient), so the forward of step t misses only gradient t-1, not the whole update t-1. A
+one-step-stale update without it costs ~10 % validation loss on the byte-LM of
+tests/test_convergence.py; with it ~4 %. ``staleness_warmup=K`` runs the first K steps
+synchronously. ``drain()`` puts the exact master weights into the model (a collective when the
+model holds predicted weights).
+"""
+import logging
+import time
+
+import torch
+
+from .._native.pool import CpuPool
+from ..adjust.session import AdjustedOptimizer, adjust_session
+from ..api.allgather import allgather
+from ..api.handles import synchronize
+from ..base.errors import HorovodInternalError
+from ..comm.buffers import split_counts
+from ..comm.sparse_exchange import sparse_reduce
+from ..compression import Memory
+from ..core import state
+from ..core.collective_thread import Op
+from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_size
+from .sparse_optim import SparseAdam, SparseAdamW, SparseSGD
+
+log = logging.getLogger("stella_mpi")
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# seconds, summed over buckets: collective thread (reduce-scatter + WAN exchange + merge; optimizer
+# step and prediction; intra-cluster all-gather) and training thread (blocked waiting for an update;
+# copying staged updates into the parameters)
+TIMES = ("exchange_s", "optimizer_s", "allgather_s", "wait_s", "copy_s")
+
+
+def _sparse_optimizer_for(rule, group, master, mode):
+    """The C optimizer doing what ``rule`` (SGD, Adam or AdamW) does with ``group``'s settings."""
+    if rule is torch.optim.SGD:
+        return SparseSGD([master], lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                         weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                         maximize=group.get("maximize", False), mode=mode)
+    cls = SparseAdamW if rule is torch.optim.AdamW else SparseAdam
+    return cls([master], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+               amsgrad=group["amsgrad"], maximize=group.get("maximize", False), mode=mode)
+
+
+class _CpuBucket(Bucket):
+    def __init__(self, index, params, group_index):
+        super().__init__(index, params, group_index)
+        self.shapes = [(tuple(p.shape), p.device, p.dtype) for p in params]
+        self.handles = {}       # step -> handle of that step's update
+        self.applied = -1       # last step whose update is in the model's parameters
+        self.predicted_in_model = False
+        self.predicts = False   # stale prediction where it differs from the master (set at init)
+        self.master = None      # this rank's shard, float32 (created at the first launch)
+        self.sopt = None
+        self.staged = [None, None]
+        self.predicted = None   # this rank's shard of the predicted weights (stale_prediction)
+        self.counts = None
+        self.times = dict.fromkeys(TIMES, 0.0)
+
+
+def _copy_into_params(flat, params):
+    """Copy the flat float32 ``flat`` into ``params`` (in order, each its numel)."""
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.view(-1).copy_(flat[off:off + n])
+            off += n
+
+
+def execute_cpu_update(pset, desc, inputs, joined):
+    """Collective thread: reduce-scatter, cross-cluster step (sparse or dense), optimizer step,
+    all-gather (module docstring)."""
+    grad, bucket, comp, memory, pool, lr, catch_up, predict = inputs
+    hier = pset.hierarchy
+    step, size = desc["step"], pset.nranks
+    counts = bucket.counts
+    clock = time.perf_counter
+    t0 = clock()
+    shard, _ = hier.cluster_shard(grad, "sum", counts)
+    if hier.topo.num_clusters > 1 and comp is not None:
+        merged = sparse_reduce(hier, shard, comp, memory if comp.error_feedback else None, desc["name"], step,
+                               desc["seed"], hier.comms.shard, "shard")
+        idx, val = merged.indices, merged.values.mul_(1.0 / size)
+    else:
+        if hier.topo.num_clusters > 1:
+            hier.cross_reduce(shard, "sum", hier.comms.shard)
+        idx = torch.arange(shard.numel(), dtype=torch.int32)
+        val = shard.mul(1.0 / size)
+    t1 = clock()
+    if bucket.sopt.hparams["lr"] != lr:
+        bucket.sopt.set_hparams(lr=lr)
+    bucket.sopt.step([(idx, val)] if idx.numel() else [None], pool=pool, catch_up=catch_up,
+                     timeout_ms=int(1000 * pset.deadline.timeout_s))
+    # what the model gets: the master, or (prediction) the master one zero-gradient step ahead
+    src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
+    t2 = clock()
+    hier.gather_shards(src, counts, bucket.staged[step % 2])
+    t3 = clock()
+    hier.stats.add(engine_s=t3 - t0)
+    times = bucket.times
+    times["exchange_s"] += t1 - t0
+    times["optimizer_s"] += t2 - t1
+    times["allgather_s"] += t3 - t2
+    return step
+
+
+def execute_cpu_master(pset, desc, inputs, joined):
+    """Collective thread: the cluster's master shards of one bucket, all-gathered into ``out``."""
+    bucket, out = inputs
+    pset.hierarchy.gather_shards(bucket.master, bucket.counts, out)
+    return out
+
+
+class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
+    """Methods of the optimizer DistributedOptimizer returns with engine="cpu" (mixed in before
+    the user's class)."""
+
+    def __init__(self, params, named_parameters, compression, staleness, semantics, process_set,
+                 adjuster=None, staleness_warmup=0, stale_prediction=None):
+        super().__init__(params)
+        if staleness not in (0, 1):
+            raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
+        if isinstance(staleness_warmup, bool) or not isinstance(staleness_warmup, int) or staleness_warmup < 0:
+            raise ValueError("staleness_warmup must be a number of steps >= 0, not %r" % (staleness_warmup,))
+        if semantics not in ("exact", "lazy"):
+            raise ValueError("cpu_semantics must be 'exact' or 'lazy', not %r" % (semantics,))
+        if stale_prediction is None:
+            stale_prediction = semantics == "exact"
+        if stale_prediction and semantics != "exact" and staleness == 1:
+            raise ValueError("stale_prediction needs cpu_semantics='exact' (lazy coordinates do not move "
+                             "without a gradient, so there is nothing to predict)")
+        topo = process_set.topology
+        if topo is not None and not topo.uniform_clusters:
+            raise ValueError("engine='cpu' needs clusters of equal size (shards line up across clusters); "
+                             "these clusters have %s ranks" % [len(m) for m in topo.cluster_members])
+        self._compression = compression if getattr(compression, "sparse", False) else None
+        self._staleness = staleness
+        self._warmup = staleness_warmup
+        self._predict = bool(stale_prediction) and staleness == 1
+        self._semantics = semantics
+        self._process_set = process_set
+        self._memory = Memory()
+        self._steps = 0
+        self._names = parameter_names(self.param_groups, named_parameters)
+        sequences = [list(reversed([q for q in g["params"] if q.requires_grad])) for g in self.param_groups]
+        for p in (p for seq in sequences for p in seq):
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ValueError("engine='cpu' keeps float32 CPU master weights; parameter %r is %s on %s"
+                                 % (self._names[p], p.dtype, p.device))
+        rt = state.current()
+        planned = plan_by_size(sequences, rt.config.fusion_threshold)
+        buckets = [_CpuBucket(i, ps, gi) for i, (gi, ps) in enumerate(planned)]
+        self._use_buckets(buckets, [p for b in buckets for p in b.params])
+        self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size,
+                                      rt.config.cpu_cores, rt.config.cpu_threads)
+        log.debug("rank %d: CPU engine workers pinned to cores %s", rt.rank, list(self._pool.cores))
+        self._module_hooks = []
+        self._adjust = adjust_session(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
+        if self._adjust is not None:
+            self._compression = self._adjust.compression
+
+    # -------- model hooks
+
+    def attach(self, model):
+        """Apply updates in forward pre-hooks of ``model``'s modules (called by DistributedOptimizer
+        when the model is known; otherwise updates are applied in step())."""
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self._bucket_of]
+            if own:
+                buckets = sorted({self._bucket_of[p].index for p in own})
+                self._module_hooks.append(module.register_forward_pre_hook(
+                    lambda mod, args, b=buckets: self._ensure_buckets(b)))
+        return self
+
+    def _staleness_at(self, step):
+        """The staleness of the forward of ``step`` (0 during the synchronous warm-up)."""
+        return 0 if step < self._warmup else self._staleness
+
+    def _required(self):
+        return self._steps - 1 - self._staleness_at(self._steps)
+
+    def _ensure_buckets(self, indices):
+        need = self._required()
+        for i in indices:
+            self._apply_through(self._buckets[i], need)
+
+    def _apply_through(self, bucket, step):
+        """Copy the staged updates of ``bucket`` up to ``step`` into the parameters, in order."""
+        while bucket.applied < step:
+            s = bucket.applied + 1
+            handle = bucket.handles.pop(s, None)
+            if handle is None:
+                raise HorovodInternalError("CPU engine: the update of step %d for bucket %d was never launched"
+                                           % (s, bucket.index))
+            t0 = time.perf_counter()
+            synchronize(handle)
+            t1 = time.perf_counter()
+            if self._adjust is not None:
+                self._adjust.idle(t1 - t0)
+            _copy_into_params(bucket.staged[s % 2], bucket.params)
+            bucket.applied = s
+            bucket.times["wait_s"] += t1 - t0
+            bucket.times["copy_s"] += time.perf_counter() - t1
+            bucket.predicted_in_model = self._predicted_at(bucket, s)
+
+    # -------- launching
+
+    def _init_bucket(self, bucket):
+        topo = self._process_set.topology
+        bucket.counts = split_counts(bucket.numel, topo.cluster_size)
+        start = sum(bucket.counts[:topo.cluster_rank])
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        bucket.master = flat[start:start + bucket.counts[topo.cluster_rank]].clone()
+        group = self.param_groups[bucket.group_index]
+        bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics)
+        bucket.staged = [torch.empty(bucket.numel), torch.empty(bucket.numel)]
+        bucket.predicts = self._predict and bucket.sopt.moves_without_gradient()
+        if bucket.predicts:
+            bucket.predicted = torch.empty_like(bucket.master)
+
+    def _predicted_at(self, bucket, step):
+        """Whether the staged update of ``step`` holds predicted weights: where the forward of
+        ``step + 1`` runs one step stale (the update is then first read at ``step + 2``)."""
+        return bucket.predicts and self._staleness_at(step + 1) == 1
+
+    def _launch(self, bucket):
+        step = self._steps
+        for p, (shape, device, dtype) in zip(bucket.params, bucket.shapes):
+            if tuple(p.shape) != shape or p.device != device or p.dtype != dtype:
+                raise ValueError("parameter %r changed from %s %s on %s to %s %s on %s after DistributedOptimizer "
+                                 "wrapped it" % (self._names[p], dtype, list(shape), device, p.dtype,
+                                                 list(p.shape), p.device))
+        # the staging slot of step-2 is reused now: its update must be in the model already
+        self._apply_through(bucket, step - 2)
+        if bucket.master is None:
+            self._init_bucket(bucket)
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                          for p in bucket.params])
+        rt = state.current()
+        name = bucket.name("cpu_engine.bucket", self._names)
+        desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
+                "op": "average", "step": step, "seed": rt.config.seed, "staleness": self._staleness,
+                "compressor": list(self._compression.settings()) if self._compression else ["none"]}
+        lr = float(self.param_groups[bucket.group_index]["lr"])
+        # the update of step t is first read by the forward of step t+1 (synchronous) or t+2 (stale):
+        # predicted weights only for the stale case
+        predict = self._predicted_at(bucket, step)
+        desc["predict"] = predict
+        inputs = (grad, bucket, self._compression, self._memory, self._pool, lr, self._semantics == "exact", predict)
+        bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
+                                                              execute_cpu_update, self._process_set))
+
+    # -------- Horovod's optimizer API
+
+    def synchronize(self):
+        """Launch every bucket of this step that backward did not (e.g. unused parameters)."""
+        self._launch_remaining()
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if self._adjust is not None:
+            self._adjust.enter()
+        self.synchronize()
+        self._steps += 1
+        self._start_step()
+        need = self._required()
+        if self._staleness_at(self._steps) == 0 or not self._module_hooks:
+            for b in self._buckets:
+                self._apply_through(b, need)
+        state.current().wan_stats.end_step()
+        if self._adjust is not None and self._adjust.end_step(self._steps, 1) is not None:
+            self._compression = self._adjust.compression
+        return loss
+
+    def engine_times(self):
+        """Seconds spent so far, summed over buckets (see TIMES): where the CPU engine's time goes.
+        The collective-thread entries are updated by that thread; read them after drain()."""
+        return {k: sum(b.times[k] for b in self._buckets) for k in TIMES}
+
+    def wait_updates(self):
+        """Wait for every launched update and put it in the parameters (with stale prediction,
+        the predicted weights: see drain)."""
+        for b in self._buckets:
+            self._apply_through(b, max(b.handles) if b.handles else b.applied)
+
+    def drain(self):
+        """Wait for every launched update and put it in the parameters. With stale prediction
+        the model holds predicted weights; drain then puts the master weights in instead, which
+        is a collective (call it on every rank, like state_dict)."""
+        self.wait_updates()
+        thread = state.current().collective_thread
+        for b in self._buckets:
+            if not b.predicted_in_model:
+                continue
+            out = b.staged[(b.applied + 1) % 2]   # free: nothing is in flight now
+            name = b.name("cpu_engine.bucket", self._names)
+            synchronize(thread.submit(Op("cpu_master", name + ".master",
+                                         {"kind": "cpu_master", "name": name, "step": b.applied}, (b, out),
+                                         execute_cpu_master, self._process_set)))
+            _copy_into_params(out, b.params)
+            b.predicted_in_model = False
+
+    def state_dict(self):
+        """Collective (call it on every rank): the full master weights and optimizer state of every
+        bucket, gathered from the cluster's shards, plus the step count."""
+        self.drain()
+        topo = self._process_set.topology
+        out = {"engine": "cpu", "steps": self._steps, "semantics": self._semantics, "buckets": []}
+        for b in self._buckets:
+            if b.master is None:
+                out["buckets"].append(None)
+                continue
+            sd = b.sopt.state_dict()
+            full = {}
+            for key, t in [("master", b.master)] + [(k, v.reshape(-1)) for k, v in sd["state"][0].items()]:
+                gathered = allgather(t.reshape(-1).contiguous(), name="cpu_engine.state.%d.%s" % (b.index, key),
+                                         process_set=self._process_set)
+                # pieces come in world-rank order; rank r holds shard cluster_rank(r) of its cluster
+                shard_of = [topo.cluster_members[topo.cluster_of_rank[r]].index(r) for r in range(topo.size)]
+                pieces = torch.split(gathered, [b.counts[shard_of[r]] for r in range(topo.size)])
+                full[key] = torch.cat([pieces[r] for r in topo.cluster_members[0]])  # cluster 0, shard order
+            out["buckets"].append({"full": full, "step": sd["step"], "hparams": sd["hparams"],
+                                   "optimizer": sd["optimizer"], "mode": sd["mode"]})
+        return out
+
+    def load_state_dict(self, state):
+        if state.get("engine") != "cpu":
+            raise ValueError("not a state_dict of a CPU-engine optimizer")
+        self.drain()
+        topo = self._process_set.topology
+        for b, sb in zip(self._buckets, state["buckets"]):
+            if sb is None:
+                continue
+            if b.master is None:
+                self._init_bucket(b)
+            start = sum(b.counts[:topo.cluster_rank])
+            mine = {k: v[start:start + b.counts[topo.cluster_rank]].clone() for k, v in sb["full"].items()}
+            b.master.copy_(mine.pop("master"))
+            b.sopt.load_state_dict({"optimizer": sb["optimizer"], "mode": sb["mode"], "step": sb["step"],
+                                    "hparams": sb["hparams"], "state": [mine]})
+            _copy_into_params(sb["full"]["master"], b.params)
+            b.applied = state["steps"] - 1
+            b.predicted_in_model = False
+        self._steps = state["steps"]
+
+
+def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,
+                              model=None, adjuster=None, staleness_warmup=0, stale_prediction=None):
+    if type(optimizer) not in SUPPORTED:
+        raise ValueError("engine='cpu' runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in C; "
+                         "%s is not supported (use engine=None for any optimizer)" % type(optimizer).__name__)
+    cls = type(optimizer.__class__.__name__, (_CpuEngineOptimizer, optimizer.__class__), {})
+    cls._stella_base_class = optimizer.__class__
+    opt = cls(optimizer.param_groups, named_parameters, compression, staleness, semantics, process_set, adjuster,
+              staleness_warmup, stale_prediction)
+    if model is not None:
+        opt.attach(model)
+    return opt

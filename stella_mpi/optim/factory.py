@@ -1,0 +1,67 @@
+"""``hvd.DistributedOptimizer``: checks the arguments and builds the synchronous optimizer
+(:mod:`.synchronous`) or the CPU engine (:mod:`.cpu_engine`)."""
+import warnings
+
+from ..adjust.settings import AdjusterSettings
+from ..api.reduce_ops import Adasum, Average
+from ..compression import Compression
+from ..core import state
+from ..core.process_sets import global_process_set
+from .cpu_engine import make_cpu_engine_optimizer
+from .synchronous import _DistributedOptimizer
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
+                         cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
+                         stale_prediction=None):
+    """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
+    (Horovod's signature and behaviour). The returned object is an instance of a subclass of
+    ``type(optimizer)`` built from its param groups (its state starts empty).
+
+    ``engine="cpu"`` (stella_mpi's CPU engine, see optim/cpu_engine.py) applies SGD/Adam/AdamW in
+    C on a pinned worker pool to a float32 master copy of each rank's shard, with ``staleness`` 0
+    (synchronous) or 1 (the update of step t runs while step t+1 computes; pass ``model=`` so
+    that each layer waits only for its own update), ``cpu_semantics`` "exact" or "lazy".
+    With staleness 1, ``stale_prediction`` (default: on with exact semantics) gives the forward the
+    master weights one zero-gradient step ahead, and ``staleness_warmup=K`` runs the first K steps
+    synchronously (see optim/cpu_engine.py).
+
+    ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
+    re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
+    rank at the same step (stella_mpi/adjust/). With ``allow_accumulation=True`` it may
+    raise ``backward_passes_per_step`` when even ``min_density`` cannot be hidden: run
+    ``opt.backward_passes_per_step`` backward passes before each ``step()``. Learning rate:
+    gradients of the passes are summed (Horovod's semantics), so with an unscaled loss SGD
+    already follows the linear scaling rule (lr x passes on the mean gradient of the larger
+    batch); if your loss is divided by the number of passes, multiply lr by it yourself.
+    With ``batch_split=True`` read ``opt.local_batch_size()`` each step and weight this rank's
+    loss by ``local_batch_size * size() / global_batch`` so the average stays a sample mean."""
+    state.current("hvd.DistributedOptimizer")
+    if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
+        raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
+    if adjuster is not None and not getattr(compression, "sparse", False):
+        raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
+                         "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
+    if engine not in (None, "cpu"):
+        raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
+    if engine == "cpu":
+        if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
+            raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
+                             "backward_passes_per_step=1, gradient_predivide_factor=1.0")
+        if adjuster is not None and adjuster.allow_accumulation:
+            raise ValueError("engine='cpu' runs one backward pass per step: use an Adjuster with "
+                             "allow_accumulation=False")
+        return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
+                                         process_set, model, adjuster, staleness_warmup, stale_prediction)
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if op == Adasum:
+        raise NotImplementedError("stella_mpi does not implement Adasum yet; use op=hvd.Average")
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    cls._stella_base_class = optimizer.__class__
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster)

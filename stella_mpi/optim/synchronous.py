@@ -1,0 +1,186 @@
+"""The synchronous DistributedOptimizer (Horovod's semantics): gradients averaged over all
+ranks, in fused buckets reduced in the background while backward goes on, then the user's own
+optimizer steps. A sparse compressor takes the cross-cluster hop of each bucket."""
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ..adjust.session import AdjustedOptimizer, adjust_session
+from ..api.allreduce import grouped_allreduce_async_, sparse_allreduce_async
+from ..api.handles import synchronize
+from ..api.reduce_ops import Average, Max, Min, Product, Sum, op_name
+from ..compression import Compression, Memory
+from ..core import state
+from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
+
+
+class _SyncBucket(Bucket):
+    def __init__(self, index, params):
+        super().__init__(index, params)
+        self.handle = None       # the bucket's collective in flight
+        self.compressed = None   # [(tensor reduced, compression context)] per parameter
+
+
+class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
+    """Methods of the optimizer DistributedOptimizer returns (mixed in before the user's class)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None):
+        super().__init__(params)
+        self._compression = compression
+        self._sparse = bool(getattr(compression, "sparse", False))
+        self._memory = Memory()   # error-feedback residuals of the sparse route, per bucket shard
+        self._step_count = 0
+        if self._sparse and op not in (Average, Sum):
+            raise ValueError("DistributedOptimizer: a sparse compressor sums gradients; op must be Average or Sum")
+        if op not in (Average, Sum, Min, Max, Product):
+            op_name(op, torch.float32)  # raises the right error (Adasum, unknown)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._process_set = process_set
+        self._sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+
+        self._names = parameter_names(self.param_groups, named_parameters)
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if groups is None or groups == 0:
+            cap = state.current().config.fusion_threshold
+            planned = [b for _, b in plan_by_size([list(reversed(self._params))], cap)]
+        else:
+            planned = plan_by_groups(self._params, groups)
+        self._passes = {p: backward_passes_per_step for p in self._params}
+        self._synchronized = False
+        self._should_synchronize = True
+        hooked = self._params if process_set.included() and state.current().size > 1 else []
+        self._use_buckets([_SyncBucket(i, b) for i, b in enumerate(planned)], hooked)
+        self._adjust = adjust_session(adjuster, compression, process_set, overlap=False,
+                                      passes=backward_passes_per_step)
+        if self._adjust is not None:
+            self._compression = self._adjust.compression
+
+    def _on_grad_ready(self, p):
+        if self._passes[p] <= 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._passes[p] -= 1
+        if self._passes[p] > 0:
+            return
+        self._grad_final(p)
+
+    def _grad_of(self, p):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError("parameter %r has a sparse gradient; pass sparse_as_dense=True to "
+                                 "DistributedOptimizer" % self._names.get(p))
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _launch(self, bucket):
+        grads = [self._grad_of(p) for p in bucket.params]
+        name = bucket.name("DistributedOptimizer.bucket", self._names)
+        if self._op == Average:
+            prescale, postscale = 1.0 / self._predivide, self._predivide
+        else:
+            prescale, postscale = 1.0, 1.0
+        if self._sparse and grads[0].dtype == torch.float32:
+            tensors = [g.contiguous() for g in grads]
+            bucket.compressed = [(t, None) for t in tensors]
+            bucket.handle = sparse_allreduce_async(
+                tensors, self._compression, name, self._op, prescale, postscale, self._process_set,
+                memory=self._memory, step=self._step_count, inplace=True)
+            return
+        compression = self._compression if not self._sparse else Compression.none
+        pairs = [compression.compress(g) for g in grads]
+        tensors = [c.contiguous() for c, _ in pairs]
+        bucket.compressed = list(zip(tensors, [ctx for _, ctx in pairs]))
+        bucket.handle = grouped_allreduce_async_(
+            tensors, name=name, op=self._op, prescale_factor=prescale, postscale_factor=postscale,
+            process_set=self._process_set)
+
+    # ---------------- Horovod's optimizer API ----------------
+
+    def synchronize(self):
+        """Finish the reduction of every gradient (launching any bucket whose hooks did not fire)."""
+        if not self._process_set.included() or state.current().size == 1:
+            self._synchronized = True
+            return
+        if self._adjust is not None:
+            self._adjust.enter()
+        self._launch_remaining()
+        for bucket in self._buckets:
+            if bucket.handle is not None:
+                t0 = time.perf_counter()
+                synchronize(bucket.handle)
+                if self._adjust is not None:
+                    self._adjust.idle(time.perf_counter() - t0)
+                for p, (c, ctx) in zip(bucket.params, bucket.compressed):
+                    out = c if ctx is None else self._compression.decompress(c, ctx)
+                    if out is not p.grad:
+                        p.grad.copy_(out)
+            bucket.handle = None
+            bucket.compressed = None
+        self._start_step()
+        for p in self._params:
+            self._passes[p] = self.backward_passes_per_step
+        self._step_count += 1
+        state.current().wan_stats.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                              "your code.")
+            self.synchronize()
+        self._synchronized = False
+        if self._adjust is None:
+            return super().step(closure)
+        t0 = time.perf_counter()
+        loss = super().step(closure)
+        self._adjust.optimizer_time(time.perf_counter() - t0)
+        decision = self._adjust.end_step(self._step_count, self.backward_passes_per_step)
+        if decision is not None:
+            self._compression = self._adjust.compression
+            if decision.passes != self.backward_passes_per_step:
+                self.set_backward_passes_per_step(decision.passes)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        if any(b.handle is not None for b in self._buckets):
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                                 "a race condition.")
+        return super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._params:
+            self._passes[p] = passes
+
+    def load_state_dict(self, state_dict):
+        for b in self._buckets:
+            if b.handle is not None:
+                synchronize(b.handle)
+            b.handle, b.compressed = None, None
+        self._start_step()
+        self._synchronized = False
+        for p in self._params:
+            self._passes[p] = self.backward_passes_per_step
+        return super().load_state_dict(state_dict)

@@ -1,0 +1,242 @@
+"""``stellarun``: launch a stella_mpi job with the environment's ``mpirun``, assigning clusters.
+
+    stellarun -np 4 --clusters 2 python train.py      # one host, 2 clusters of 2 ranks
+    stellarun -np 8 -f hosts python train.py            # several hosts: one cluster per host
+    stellarun -np 8 -f hosts --cluster-of nodeA=lab --cluster-of nodeB=lab python train.py
+    stellarun -np 4 --clusters 2 --wan 100mbit python train.py          # emulated WAN, one host
+    stellarun -np 4 --clusters 2 --wan 500mbit --wan-schedule "60:100mbit,120:500mbit" python train.py
+    stellarun -np 4 --clusters 2 --wan 100mbit --wan-delay 30ms python train.py   # and 30 ms one way
+
+With --wan, each cluster's ranks run in their own network namespace and cross-cluster
+traffic crosses veth links shaped with tc (root needed). Each cluster is started as its own
+MPI "host" (hydra's fork launcher with one host name per cluster), so MPICH keeps traffic
+inside a cluster on shared memory, as on a real node, and sends cross-cluster traffic over
+TCP (ofi/tcp) through the namespace's interface; gloo binds that interface too. Without
+the rights for that, cross-cluster sends are paced in user space at the same rate instead
+(stella_mpi's own traffic only). stellarun says which mode it used and removes every
+namespace, link and qdisc it made on every exit path. --wan-delay adds a one-way delay on the
+cross-cluster path in user space (no netem needed): the namespaces are then joined by TUN
+devices and a forwarder thread of stellarun, or, when pacing, each paced exchange is
+stretched by the delay.
+
+Everything after the options is the command; mpirun options stellarun does not know can be
+given after ``--mpi-args``. stellarun only prepares the environment and runs mpirun: the
+transport, rendezvous and process launch stay MPI's.
+"""
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from . import shaping
+from .wan import WanEmulation, namespaces_available, reap_stale
+
+
+def find_mpirun():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("stellarun: no mpirun found; install the MPI wheel (pip install mpich) or a system MPI")
+    return found
+
+
+def cluster_sizes(np_, nclusters):
+    """Ranks per cluster, the first ones larger by one: the split ``STELLA_CLUSTERS`` makes in
+    the ranks (stella_mpi.comm.buffers.split_counts; this package never imports stella_mpi)."""
+    q, r = divmod(np_, nclusters)
+    return [q + (1 if i < r else 0) for i in range(nclusters)]
+
+
+WAN_MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "wan0",
+               "GLOO_SOCKET_IFNAME": "wan0"}
+
+
+SIGNAL_GRACE_S = 10.0   # after Ctrl-C/SIGTERM, how long ranks get to stop before they are killed
+
+
+def wan_hosts(sizes):
+    """hydra host list naming one pretend host per cluster: with the fork launcher every
+    "host" runs here, and MPICH treats each as its own node (shared memory inside it only)."""
+    return ",".join("stella-wan%d:%d" % (c, n) for c, n in enumerate(sizes))
+
+
+def build_wan_command(args, emu):
+    """MPMD mpirun command: cluster c's ranks start inside namespace c."""
+    sizes = cluster_sizes(args.np, args.clusters or 2)
+    cmd = [args.mpirun or find_mpirun()]
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan))}
+    if args.timeout:
+        env["STELLA_TIMEOUT"] = str(args.timeout)
+    if emu is not None:
+        env.update(WAN_MPI_ENV)
+        env["STELLA_WAN_MODE"] = "namespaces"
+        env["STELLA_WAN_MASTER_ADDR"] = emu.address(0)
+    else:
+        env["STELLA_WAN_MODE"] = "paced"
+        # a cluster's ranks share its link: each paces at its share
+        env["STELLA_WAN_PACE_BPS"] = str(int(args.wan / max(sizes)))
+        if args.wan_delay:
+            env["STELLA_WAN_PACE_DELAY_S"] = repr(args.wan_delay)
+    for k, v in sorted(env.items()):
+        cmd += ["-genv", k, v]
+    if emu is not None:
+        cmd += ["-launcher", "fork", "-hosts", wan_hosts(sizes)]
+    cmd += list(args.mpi_args or [])
+    for c, n in enumerate(sizes):
+        if c:
+            cmd.append(":")
+        cmd += ["-n", str(n), "-env", "STELLA_CLUSTER", "wan%d" % c]
+        if emu is not None:
+            cmd += ["-env", "STELLA_WAN_ADDR", emu.address(c)] + emu.exec_prefix(c)
+        cmd += list(args.command)
+    return cmd
+
+
+def run_with_wan(args):
+    """Set up the emulated WAN, run mpirun under it, and always tear it down."""
+    if not args.np:
+        raise SystemExit("stellarun: give the number of ranks with -np N")
+    clusters = args.clusters or 2
+    if clusters < 2 or clusters > args.np:
+        raise SystemExit("stellarun: --wan needs 2 or more clusters and at most one per rank")
+    if not args.command:
+        raise SystemExit("stellarun: no command to run")
+    rate, schedule, delay = args.wan, args.wan_schedule or [], args.wan_delay
+    ok, why = namespaces_available()
+    emu = None
+    if ok:
+        emu = WanEmulation(clusters, rate, schedule, delay_s=delay)
+    elif schedule:
+        raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
+    cmd = build_wan_command(args, emu)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    proc = None
+    signalled = []
+
+    def forward(signum, frame):
+        signalled.append(time.monotonic())
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+    # handlers first: a Ctrl-C while the emulation is built must not skip its removal
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if emu is not None:
+            stale = reap_stale()
+            if stale:
+                print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
+            emu.setup()
+            print("stellarun: WAN emulation with network namespaces: %d clusters joined by %.0f Mbit/s links "
+                  "(tc tbf)%s" % (clusters, rate / 1e6, ", %g ms one-way delay (TUN devices, user-space forwarder)"
+                                  % (delay * 1e3) if delay else ""), flush=True)
+        else:
+            print("stellarun: WAN emulation by user-space pacing of stella_mpi's cross-cluster sends at %.0f Mbit/s%s "
+                  "(network namespaces unavailable: %s)"
+                  % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why),
+                  flush=True)
+        if signalled:
+            return 128 + signal.SIGINT
+        proc = subprocess.Popen(cmd)
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                # mpirun waits for ranks that ignore the signal: after a grace period, kill them
+                if signalled and time.monotonic() - signalled[0] > SIGNAL_GRACE_S:
+                    print("stellarun: ranks still running %.0f s after the signal; killing them" % SIGNAL_GRACE_S,
+                          flush=True)
+                    return 128 + signal.SIGKILL
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if emu is not None:
+            emu.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def build_command(args):
+    cmd = [args.mpirun or find_mpirun()]
+    np_ = args.np or int(os.environ.get("SLURM_NTASKS", "0") or 0)
+    if np_ <= 0:
+        raise SystemExit("stellarun: give the number of ranks with -np N")
+    cmd += ["-np", str(np_)]
+    if args.hostfile:
+        cmd += ["-f", args.hostfile]
+    env = {"PYTHONUNBUFFERED": "1"}
+    if args.clusters:
+        if args.clusters > np_:
+            raise SystemExit("stellarun: --clusters %d is more than the %d ranks" % (args.clusters, np_))
+        env["STELLA_CLUSTERS"] = str(args.clusters)
+    if args.cluster_of:
+        mapping = {}
+        for item in args.cluster_of:
+            host, sep, label = item.partition("=")
+            if not sep or not host or not label:
+                raise SystemExit("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
+            mapping[host] = label
+        env["STELLA_CLUSTER_MAP"] = ",".join("%s=%s" % kv for kv in sorted(mapping.items()))
+    if args.timeout:
+        env["STELLA_TIMEOUT"] = str(args.timeout)
+    for k, v in sorted(env.items()):
+        cmd += ["-genv", k, v]
+    cmd += list(args.mpi_args or [])
+    if not args.command:
+        raise SystemExit("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
+    return cmd + list(args.command)
+
+
+def _parsed_by(name):
+    """argparse type applying shaping.<name>: a bad value is a usage error, not a traceback."""
+    def parse_value(text):
+        try:
+            return getattr(shaping, name)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+    return parse_value
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="stellarun", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("-np", "-n", type=int, dest="np", help="number of ranks")
+    p.add_argument("--clusters", type=int, help="split each host's ranks into N clusters (single-host runs)")
+    p.add_argument("-f", "--hostfile", help="MPI host file; each host is a cluster unless --cluster-of says otherwise")
+    p.add_argument("--cluster-of", action="append", metavar="HOST=LABEL",
+                   help="put HOST in cluster LABEL (repeat); hosts with one label form one cluster")
+    p.add_argument("--timeout", type=float, help="seconds any wait on a peer may take (STELLA_TIMEOUT)")
+    p.add_argument("--mpirun", help="the mpirun to use (default: the one of this Python environment)")
+    p.add_argument("--mpi-args", nargs=argparse.ONE_OR_MORE, help="extra arguments passed to mpirun as they are")
+    p.add_argument("--wan", metavar="RATE", type=_parsed_by("parse_rate"),
+                   help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
+    p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds")
+    p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
+                   help="one-way delay on the emulated WAN (e.g. 30ms)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.wan:
+        return run_with_wan(args)
+    if args.wan_schedule or args.wan_delay:
+        raise SystemExit("stellarun: --wan-schedule and --wan-delay need --wan RATE")
+    cmd = build_command(args)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
