@@ -52,6 +52,10 @@ def cluster_sizes(np_, nclusters):
     return [q + (1 if i < r else 0) for i in range(nclusters)]
 
 
+# Told to the job's own scripts (the benchmarks read them); stella_mpi's runtime reads none of them.
+# Every other STELLA_* variable stellarun sets is a setting of stella_mpi.base.config.
+JOB_INFO_ENV = ("STELLA_WAN_RATE_BPS", "STELLA_WAN_MODE", "STELLA_WAN_MASTER_ADDR", "STELLA_WAN_ADDR")
+
 WAN_MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "wan0",
                "GLOO_SOCKET_IFNAME": "wan0"}
 

@@ -1,4 +1,5 @@
-"""The API on one process (no mpirun): errors before init, init/shutdown, size-1 collectives."""
+"""The API on one process (no mpirun): errors before init, init/shutdown (which drops the run's
+state), size-1 collectives."""
 import subprocess
 import sys
 
@@ -28,12 +29,19 @@ assert hvd.ddl_built() is False and hvd.ccl_built() is False
 assert isinstance(hvd.nccl_built(), int) and isinstance(hvd.cuda_built(), bool)
 x = torch.randn(5)
 assert torch.equal(hvd.allreduce(x), x)
+from stella_mpi.core import state
+run = state.current()
+hvd.allreduce(x, compression=hvd.Compression.topk(density=0.5), name="g")
+assert run.auto_name("allreduce") == "allreduce.noname.1" and run.sparse_steps == {"g": 1}
 assert torch.equal(hvd.allgather(x.view(5, 1)), x.view(5, 1))
 assert hvd.broadcast_object({"a": 1}) == {"a": 1}
 assert hvd.join() == 0
 hvd.shutdown(); hvd.shutdown()
 assert not hvd.is_initialized()
 hvd.init()
+# shutdown() dropped everything the first run accumulated: names count from 0 again
+assert state.current() is not run and state.current().sparse_steps == {}
+assert state.current().auto_name("allreduce") == "allreduce.noname.0"
 assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x)
 hvd.shutdown()
 print("single-process checks passed")
