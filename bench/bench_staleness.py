@@ -15,7 +15,7 @@ every phase alike, it measures per step:
 * s1: training steps with ``engine="cpu", staleness=1``.
 
 It prints s1 against max(compute, comm) and s0 against compute + comm, the ratio s0/s1, and
-where the CPU engine's time went (engine thread: exchange, optimizer, all-gather; training
+where the CPU engine's time went (collective thread: exchange, optimizer, all-gather; training
 thread: blocked waiting for an update, copying it in). Step times are a phase's wall time
 per step, drain of the updates still in flight included, on the slowest rank; median over
 rounds (a per-step median would hide staleness 1's lumpy waits). --json-out writes everything

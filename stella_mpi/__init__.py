@@ -9,16 +9,24 @@ thread, executors), ``api`` (Horovod's functions), ``adjust`` (the bandwidth-dri
 adjuster), ``optim`` (DistributedOptimizer). The launcher is the separate package ``stellarun``.
 """
 from .adjust.settings import Adjuster  # noqa: F401
-from .api import (Adasum, Average, Max, Min, Product, Sum, add_process_set, allgather,  # noqa: F401
-                  allgather_async, allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
-                  alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                  broadcast_object, broadcast_optimizer_state, broadcast_parameters, ccl_built, cluster_id,
-                  cluster_rank, cluster_size, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                  gloo_enabled, grouped_allgather, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                  grouped_allreduce_async_, grouped_reducescatter, init, is_homogeneous, is_initialized, join,
-                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, num_clusters,
-                  poll, rank, reducescatter, reducescatter_async, remove_process_set, rocm_built, shutdown, size,
-                  sparse_allreduce_async, start_timeline, stats, stop_timeline, synchronize)
+from .api.allgather import allgather, allgather_async, grouped_allgather  # noqa: F401
+from .api.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce,  # noqa: F401
+                            grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                            sparse_allreduce_async)
+from .api.alltoall import alltoall, alltoall_async  # noqa: F401
+from .api.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_  # noqa: F401
+from .api.control import barrier, join  # noqa: F401
+from .api.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
+                            broadcast_parameters)
+from .api.handles import poll, synchronize  # noqa: F401
+from .api.lifecycle import (add_process_set, init, is_initialized, remove_process_set, shutdown,  # noqa: F401
+                            start_timeline, stats, stop_timeline)
+from .api.queries import (ccl_built, cluster_id, cluster_rank, cluster_size, cross_rank, cross_size,  # noqa: F401
+                          cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous, local_rank, local_size,
+                          mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, num_clusters, rank, rocm_built,
+                          size)
+from .api.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
+from .api.reducescatter import grouped_reducescatter, reducescatter, reducescatter_async  # noqa: F401
 from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401
 from .compression import Compression  # noqa: F401
 from .core.process_sets import ProcessSet, global_process_set  # noqa: F401

@@ -223,10 +223,10 @@ def randomk_encode(key, val, n, value_dtype="float32"):
 
 
 def _payload_ptr(payload):
+    """(pointer, length, what keeps the memory alive) of a payload: a uint8 tensor or array, or
+    bytes-like."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
-        arr = np.frombuffer(payload, dtype=np.uint8)
-        p = ffi.from_buffer("uint8_t[]", payload) if len(arr) else ffi.NULL
-        return p, len(arr), arr
+        payload = np.frombuffer(payload, dtype=np.uint8)
     p, n = pointer(payload, torch.uint8, "payload")
     return p, n, payload
 

@@ -4,18 +4,13 @@ import torch
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
 from .allreduce import allreduce
-from .handles import auto_name, collective_thread, host, submit, synchronize
+from .handles import auto_name, host, submit, synchronize
 from .reduce_ops import Average
-from .validation import check_tensor, checked_process_set
+from .validation import check_rows_call, check_tensor
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
-    what = "hvd.allgather"
-    collective_thread(what)
-    pset = checked_process_set(process_set, what)
-    check_tensor(tensor, what)
-    if tensor.dim() == 0:
-        raise ValueError("%s: cannot allgather a rank-zero (scalar) tensor; reshape it to 1-D" % what)
+    pset = check_rows_call("hvd.allgather", tensor, process_set, "allgather")
     name = name or auto_name("allgather", pset)
     desc = {"kind": "allgather", "name": name, "dtype": dtype_name(tensor.dtype), "trailing": list(tensor.shape[1:])}
     device = tensor.device
@@ -52,5 +47,9 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    for t in tensors:
+        check_tensor(t, "hvd.grouped_allgather")
+    if not tensors:
+        return []
     base = name or auto_name("grouped_allgather", process_set)
     return [allgather(t, "%s_%dof%d" % (base, i + 1, len(tensors)), process_set) for i, t in enumerate(tensors)]

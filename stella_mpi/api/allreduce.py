@@ -32,7 +32,7 @@ def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, proce
     name = name or auto_name(prefix, pset)
     desc = {"kind": "allreduce", "name": name, "dtype": dtype_name(dtype),
             "shapes": [list(t.shape) for t in tensors], "op": opname,
-            "prescale": float(prescale), "postscale": float(postscale), "wire": None}
+            "prescale": float(prescale), "postscale": float(postscale)}
     hosts = [host(t) for t in tensors]
     host_outs, post = staged(outputs_from(tensors), hosts)
     if single:

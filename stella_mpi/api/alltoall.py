@@ -3,8 +3,8 @@ import torch
 
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
-from .handles import auto_name, collective_thread, host, submit, synchronize
-from .validation import check_tensor, checked_process_set
+from .handles import auto_name, host, submit, synchronize
+from .validation import check_rows_call, check_tensor
 
 
 def _split_list(tensor, splits, n):
@@ -32,12 +32,7 @@ def _split_list(tensor, splits, n):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    what = "hvd.alltoall"
-    collective_thread(what)
-    pset = checked_process_set(process_set, what)
-    check_tensor(tensor, what)
-    if tensor.dim() == 0:
-        raise ValueError("%s: cannot alltoall a rank-zero (scalar) tensor" % what)
+    pset = check_rows_call("hvd.alltoall", tensor, process_set, "alltoall")
     n = pset.nranks
     split_list = _split_list(tensor, splits, n)
     name = name or auto_name("alltoall", pset)

@@ -5,26 +5,19 @@ CUDA tensors travel through host memory on this route: each call stages its inpu
 host, and the handle's post-processing copies the result back where the caller wants it."""
 import torch
 
-from ..base.errors import CollectiveNotInitializedError
-from ..core import state
 from ..core.collective_thread import Op
 from ..core.executors import EXECUTORS
+from .validation import running
 
 
 def collective_thread(what):
     """The running collective thread; Horovod's error for a collective before ``init()``."""
-    rt = state.running()
-    if rt is None:
-        raise CollectiveNotInitializedError(what)
-    return rt.collective_thread
+    return running(what).collective_thread
 
 
 def auto_name(prefix, process_set=None):
     """Horovod-style name of an unnamed op (counted per process set, reset by ``shutdown()``)."""
-    rt = state.running()
-    if rt is None:
-        raise CollectiveNotInitializedError("hvd.%s" % prefix)
-    return rt.auto_name(prefix, process_set)
+    return running("hvd.%s" % prefix).auto_name(prefix, process_set)
 
 
 def host(t):

@@ -5,23 +5,18 @@ from ..compression import Compression
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
 from .allgather import allgather
-from .handles import auto_name, collective_thread, host, submit, synchronize
+from .handles import auto_name, host, submit, synchronize
 from .reduce_ops import Average, Sum, op_name
-from .validation import check_tensor, checked_process_set, dense_compression
+from .validation import check_rows_call, check_tensor, dense_compression
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
-    what = "hvd.reducescatter"
-    collective_thread(what)
-    pset = checked_process_set(process_set, what)
-    check_tensor(tensor, what)
-    if tensor.dim() == 0:
-        raise ValueError("%s: cannot reducescatter a rank-zero (scalar) tensor" % what)
+    pset = check_rows_call("hvd.reducescatter", tensor, process_set, "reducescatter")
     opname = op_name(op, tensor.dtype)
     name = name or auto_name("reducescatter", pset)
     desc = {"kind": "reducescatter", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
-            "op": opname, "prescale": float(prescale_factor), "postscale": float(postscale_factor), "wire": None}
+            "op": opname, "prescale": float(prescale_factor), "postscale": float(postscale_factor)}
     device = tensor.device
     return submit("reducescatter", name, desc, (host(tensor),), pset,
                   lambda out: out.to(device) if device.type != "cpu" else out)
@@ -58,6 +53,10 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    for t in tensors:
+        check_tensor(t, "hvd.grouped_reducescatter")
+    if not tensors:
+        return []
     base = name or auto_name("grouped_reducescatter", process_set)
     return [reducescatter(t, "%s_%dof%d" % (base, i + 1, len(tensors)), compression, op, process_set,
                           prescale_factor, postscale_factor) for i, t in enumerate(tensors)]

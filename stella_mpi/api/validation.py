@@ -2,9 +2,18 @@
 error naming what is wrong, never a hang."""
 import torch
 
+from ..base.errors import CollectiveNotInitializedError
 from ..core import state
 from ..core.dtypes import dtype_name
 from ..core.process_sets import ProcessSet
+
+
+def running(what):
+    """The running Runtime; Horovod's error for a collective before ``init()``."""
+    rt = state.running()
+    if rt is None:
+        raise CollectiveNotInitializedError(what)
+    return rt
 
 
 def check_tensor(t, what):
@@ -27,6 +36,16 @@ def checked_process_set(process_set, what):
     if process_set.comms is None:
         raise ValueError("%s: Rank %d is not a member of the provided process set." % (what, state.current().rank))
     return process_set
+
+
+def check_rows_call(what, tensor, process_set, verb):
+    """The checks of a collective on the rows (dim 0) of one tensor; returns the process set."""
+    running(what)
+    pset = checked_process_set(process_set, what)
+    check_tensor(tensor, what)
+    if tensor.dim() == 0:
+        raise ValueError("%s: cannot %s a rank-zero (scalar) tensor; reshape it to 1-D" % (what, verb))
+    return pset
 
 
 def dense_compression(compression, what):

@@ -61,13 +61,13 @@ class Config:
     log_level: str
     seed: int                 # seed shared by all ranks (random-k draws)
     sparse_algorithm: str     # "auto" | "allgather" | "tree": summing selections across clusters
-    cpu_cores: str = ""       # STELLA_CPU_CORES: the CPU engine's worker cores ("" = automatic)
-    cpu_threads: str = ""     # STELLA_CPU_THREADS: the CPU engine's worker count ("" = automatic)
     wan_pace_bps: float = 0.0     # user-space pacing of cross-cluster sends (stellarun --wan without namespaces)
     wan_pace_delay_s: float = 0.0  # one-way delay added per paced message round
 
     @classmethod
     def from_env(cls):
+        """The settings of a run, read at ``hvd.init()``."""
+        intra = _choice("STELLA_INTRA_BACKEND", "auto", ("auto", "mpi", "gloo"))
         timeout = _env(["STELLA_TIMEOUT"], 120.0, float)
         if timeout <= 0:
             raise ValueError("STELLA_TIMEOUT must be positive seconds, not %r" % timeout)
@@ -78,7 +78,7 @@ class Config:
             timeout_s=timeout,
             fusion_threshold=_env(["STELLA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"], 64 * 1024 * 1024, int),
             check_collectives=_env(["STELLA_CHECK_COLLECTIVES"], True, _bool),
-            intra_backend=_choice("STELLA_INTRA_BACKEND", "auto", ("auto", "mpi", "gloo")),
+            intra_backend=intra,
             cluster_label=_env(["STELLA_CLUSTER"], "", str),
             clusters_per_node=clusters,
             cluster_map=_env(["STELLA_CLUSTER_MAP"], "", str),
@@ -86,15 +86,14 @@ class Config:
             log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
             seed=_env(["STELLA_SEED"], 0, int),
             sparse_algorithm=_choice("STELLA_SPARSE_ALGO", "auto", ("auto", "allgather", "tree")),
-            cpu_cores=cpu_cores_setting(),
-            cpu_threads=cpu_threads_setting(),
             wan_pace_bps=_non_negative("STELLA_WAN_PACE_BPS"),
             wan_pace_delay_s=_non_negative("STELLA_WAN_PACE_DELAY_S"),
         )
 
 
 def cpu_cores_setting():
-    """``STELLA_CPU_CORES`` as written ("" when unset); parsed where the pool is planned."""
+    """``STELLA_CPU_CORES`` as written ("" when unset), read when a CPU-engine optimizer plans its
+    worker pool (stella_mpi._native.pool.plan_cores parses it)."""
     return str(os.environ.get(CPU_CORES_VAR, "")).strip()
 
 

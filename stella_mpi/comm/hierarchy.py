@@ -4,12 +4,13 @@ Inside a cluster the ``intra`` backend (MPI or gloo) moves the data; across
 clusters MPI does, on the communicators of :class:`.topology.Communicators`:
 
 * reduction across clusters (:meth:`Hierarchy.reduce_across_clusters`), the one sequence
-  that dense allreduce, the sparse route and the CPU engine share: with clusters of equal
-  size, reduce-scatter inside the cluster (:meth:`~Hierarchy.cluster_shard`), a cross-cluster
-  step on this rank's shard among the ranks owning the same shard in the other clusters, and
+  that dense allreduce and the sparse route share: with clusters of equal size,
+  reduce-scatter inside the cluster (:meth:`~Hierarchy.cluster_shard`), a cross-cluster step
+  on this rank's shard among the ranks owning the same shard in the other clusters, and
   all-gather inside the cluster (:meth:`~Hierarchy.gather_shards`); every rank's link to the
   WAN works. With clusters of unequal size: reduce to the cluster leader, the cross-cluster
-  step among the leaders on the whole buffer, broadcast inside the cluster.
+  step among the leaders on the whole buffer, broadcast inside the cluster. The CPU engine
+  uses the two halves around its optimizer step (it gathers the updated weights, not the sum).
 * the dense cross-cluster step (:meth:`Hierarchy.cross_reduce`): across two clusters each
   rank swaps its shard with its peer and reduces (a OP b equals b OP a bit for bit, so both
   agree); with more clusters, 16-bit floats are all-gathered and reduced in cluster order in C

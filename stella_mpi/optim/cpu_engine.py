@@ -171,12 +171,12 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 raise ValueError("engine='cpu' keeps float32 CPU master weights; parameter %r is %s on %s"
                                  % (self._names[p], p.dtype, p.device))
         rt = state.current()
+        # the pool first: if its cores are refused, no hook is left on the model's parameters
+        self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
+        log.debug("rank %d: CPU engine workers pinned to cores %s", rt.rank, list(self._pool.cores))
         planned = plan_by_size(sequences, rt.config.fusion_threshold)
         buckets = [_CpuBucket(i, ps, gi) for i, (gi, ps) in enumerate(planned)]
         self._use_buckets(buckets, [p for b in buckets for p in b.params])
-        self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size,
-                                      rt.config.cpu_cores, rt.config.cpu_threads)
-        log.debug("rank %d: CPU engine workers pinned to cores %s", rt.rank, list(self._pool.cores))
         self._module_hooks = []
         self._adjust = adjust_session(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
         if self._adjust is not None:

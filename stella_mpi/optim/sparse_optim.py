@@ -91,12 +91,14 @@ class _ParamState:
         """Point the struct at the buffers ``names`` (buf1, buf2, buf3 order; None = unused)."""
         s = self.struct
         s.n = self.n
-        s.param = ffi.cast("float *", self.flat.data_ptr()) if self.n else ffi.NULL
+        s.param = pointer(self.flat, torch.float32, "parameter", writable=True)[0]
         for slot, name in zip(("buf1", "buf2", "buf3"), names):
-            setattr(s, slot, ffi.cast("float *", self.buffer(name).data_ptr()) if name and self.n else ffi.NULL)
+            setattr(s, slot, pointer(self.buffer(name), torch.float32, "state %r" % name, writable=True)[0]
+                    if name else ffi.NULL)
         if exact and self.last is None:
             self.last = torch.zeros(self.n, dtype=torch.int32)
-        s.last = ffi.cast("int32_t *", self.last.data_ptr()) if exact and self.n else ffi.NULL
+        s.last = (ffi.cast("int32_t *", pointer(self.last, torch.int32, "last-step counters", writable=True)[0])
+                  if exact else ffi.NULL)
 
 
 class PendingStep:

@@ -214,3 +214,16 @@ def test_stale_prediction_and_warmup_follow_the_reference(warmup):
     with pytest.raises(ValueError, match="stale_prediction needs"):
         hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness=1,
                                  cpu_semantics="lazy", stale_prediction=True)
+
+
+def test_refused_worker_cores_leave_no_hook_behind(monkeypatch):
+    """A CPU engine whose pool cannot be built raises, and the model trains on without it."""
+    _skip_uneven()
+    monkeypatch.setenv("STELLA_CPU_CORES", "x")
+    model = _model()
+    with pytest.raises(ValueError, match="STELLA_CPU_CORES"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), engine="cpu")
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()   # no hook of the refused optimizer runs
+    assert all(p.grad is not None for p in model.parameters())

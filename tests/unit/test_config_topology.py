@@ -78,3 +78,11 @@ def test_stellarun_builds_the_mpirun_command():
         build_command(parse(["-np", "2", "--clusters", "3", "--mpirun", "m", "python"]))
     with pytest.raises(SystemExit, match="HOST=LABEL"):
         build_command(parse(["-np", "2", "--cluster-of", "x", "--mpirun", "m", "python"]))
+
+
+def test_the_launcher_splits_ranks_into_clusters_as_the_runtime_does():
+    """stellarun cannot import stella_mpi, so it has its own copy of split_counts: they must agree."""
+    from stellarun.cli import cluster_sizes
+    for n in range(1, 40):
+        for parts in range(1, n + 1):
+            assert cluster_sizes(n, parts) == split_counts(n, parts), (n, parts)

@@ -1,12 +1,14 @@
 """The house rules, checked on the source: sub-packages import only lower layers (lazy imports
 in functions included), no module imports itself through a cycle, stella_mpi and the stellarun
-launcher never load each other, and every STELLA_* variable the launcher sets is one the
-runtime's config reads (or one it only tells the job's own scripts)."""
+launcher never load each other (nor does the launcher load torch, MPI or numpy), and every
+STELLA_* variable the launcher names is one the runtime's config reads (or one it only tells
+the job's own scripts)."""
 import ast
 import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -15,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # stella_mpi's rooms, lowest first: a module may import its own room and the rooms before it.
 LAYERS = ["base", "_native", "compression", "comm", "core", "api", "adjust", "optim"]
 TOP = len(LAYERS)   # the package itself (stella_mpi/__init__.py) re-exports from every room
+LAUNCHER_NEVER_LOADS = ("stella_mpi", "torch", "mpi4py", "numpy")
 
 
 def _modules(package):
@@ -39,15 +42,14 @@ def _is_package(name):
     return MODULES.get(name, "").endswith("__init__.py")
 
 
-def _imports(name, path, source=None):
-    """Modules of ours that importing ``name`` makes Python import (every Import/ImportFrom node,
-    at any depth; the packages on the way to a target, except ``name``'s own ancestors)."""
-    tree = ast.parse(open(path).read() if source is None else source, path)
+def _named_imports(name, tree):
+    """Every module name an Import/ImportFrom node (at any depth) or an import_module/__import__
+    call names, relative names resolved; a dynamic import of a computed name is an error."""
     here = name if _is_package(name) else name.rpartition(".")[0]
-    targets = set()
+    named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            targets.update(a.name for a in node.names)
+            named.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here.split(".")
@@ -57,16 +59,39 @@ def _imports(name, path, source=None):
                 mod = node.module
             for a in node.names:
                 sub = "%s.%s" % (mod, a.name)
-                targets.add(sub if sub in MODULES else mod)
+                named.add(sub if sub in MODULES else mod)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if fname in ("import_module", "__import__"):
+                arg = node.args[0] if node.args else None
+                if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+                    raise AssertionError("%s: %s() of a computed name: the layering check cannot follow it"
+                                         % (name, fname))
+                named.add(arg.value)
+    return named
+
+
+def _imports(name, path, source=None):
+    """Modules of ours that importing ``name`` makes Python import: every module it names, and
+    the packages on the way to each (except its own ancestors, already imported; a package it
+    names explicitly counts, ancestor or not)."""
+    tree = ast.parse(open(path).read() if source is None else source, path)
     ancestors = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")))}
     out = set()
-    for t in targets:
+    for t in _named_imports(name, tree):
         parts = t.split(".")
         for i in range(1, len(parts) + 1):
             m = ".".join(parts[:i])
-            if m in MODULES and m not in ancestors and m != name:
+            if m in MODULES and m != name and (m == t or m not in ancestors):
                 out.add(m)
     return out
+
+
+def _third_party(path, source=None):
+    """Top-level names of everything a module imports (at any depth)."""
+    tree = ast.parse(open(path).read() if source is None else source, path)
+    return {n.split(".")[0] for n in _named_imports("stellarun.x", tree)}
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
@@ -76,26 +101,17 @@ def _layer(name):
     parts = name.split(".")
     if parts[0] != "stella_mpi":
         return None
-    if len(parts) == 1:
-        return TOP
-    return LAYERS.index(parts[1])
+    return TOP if len(parts) == 1 else LAYERS.index(parts[1])
 
 
-def test_every_room_has_a_layer():
-    rooms = {n.split(".")[1] for n in MODULES if n.startswith("stella_mpi.")}
-    assert rooms == set(LAYERS), "rooms without a layer (add them to LAYERS): %s" % sorted(rooms - set(LAYERS))
+def _upward(graph):
+    return sorted("%s imports %s" % (a, b) for a, targets in graph.items() for b in targets
+                  if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a))
 
 
-def test_imports_go_down_the_layers():
-    wrong = sorted("%s imports %s" % (a, b) for a, targets in GRAPH.items() for b in targets
-                   if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a))
-    assert not wrong, "a lower layer imports a higher one (layers: %s):\n%s" % (" < ".join(LAYERS), "\n".join(wrong))
-
-
-def test_launcher_and_runtime_never_import_each_other():
-    crossing = sorted("%s imports %s" % (a, b) for a, targets in GRAPH.items() for b in targets
-                      if a.split(".")[0] != b.split(".")[0])
-    assert not crossing, "\n".join(crossing)
+def _crossing(graph):
+    return sorted("%s imports %s" % (a, b) for a, targets in graph.items() for b in targets
+                  if a.split(".")[0] != b.split(".")[0])
 
 
 def _cycles(graph):
@@ -132,58 +148,97 @@ def _cycles(graph):
     return out
 
 
+def test_every_room_has_a_layer_and_the_docs_list_them_in_order():
+    rooms = {n.split(".")[1] for n in MODULES if n.startswith("stella_mpi.")}
+    assert rooms == set(LAYERS), "rooms without a layer (add them to LAYERS): %s" % sorted(rooms - set(LAYERS))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = re.findall(r"^\| `stella_mpi/(\w+)/` \|", readme, re.M)
+    assert table == LAYERS, "README's architecture table lists %s; the layers are %s" % (table, LAYERS)
+    doc = ast.get_docstring(ast.parse(open(MODULES["stella_mpi"]).read()))
+    listed = [r for r in re.findall(r"``(\w+)``", doc) if r in LAYERS]
+    assert listed == LAYERS, "stella_mpi/__init__.py's docstring lists %s; the layers are %s" % (listed, LAYERS)
+
+
+def test_imports_go_down_the_layers():
+    assert not _upward(GRAPH), "a lower layer imports a higher one (layers: %s):\n%s" % (
+        " < ".join(LAYERS), "\n".join(_upward(GRAPH)))
+
+
+def test_launcher_and_runtime_never_import_each_other():
+    assert not _crossing(GRAPH), "\n".join(_crossing(GRAPH))
+    heavy = sorted("%s imports %s" % (name, m) for name, path in MODULES.items() if name.startswith("stellarun")
+                   for m in _third_party(path) if m in LAUNCHER_NEVER_LOADS)
+    assert not heavy, "the launcher must start without the runtime's weight:\n%s" % "\n".join(heavy)
+
+
 def test_no_import_cycle():
     assert not _cycles(GRAPH), "import cycles: %s" % _cycles(GRAPH)
 
 
 def test_the_checks_catch_what_they_look_for():
-    """The checker itself: a cycle and an upward import planted in a copy of the graph are found."""
-    g = {k: set(v) for k, v in GRAPH.items()}
-    g["stella_mpi.base.errors"].add("stella_mpi.core.state")
-    assert any("stella_mpi.base.errors" in c for c in _cycles(g))
-    assert _layer("stella_mpi.core.state") > _layer("stella_mpi.base.errors")
-    assert "stella_mpi.optim.buckets" in GRAPH["stella_mpi.optim.cpu_engine"]
-    # a function-level (lazy) import counts, relative or absolute, with the packages on its way
-    lazy = "def f():\n    from ..core import state\n    import stella_mpi.optim.buckets\n"
+    """The checker itself, on sources planted in a copy of the graph."""
+    def planted(name, source):
+        g = {k: set(v) for k, v in GRAPH.items()}
+        g[name] |= _imports(name, MODULES[name], source)
+        return g
+    # a lazy upward import, relative or absolute, with the packages on its way
+    lazy = "def f():\n    from ..core import state\n    import stella_mpi.optim.buckets as b\n"
     found = _imports("stella_mpi.comm.hierarchy", MODULES["stella_mpi.comm.hierarchy"], lazy)
     assert {"stella_mpi.core", "stella_mpi.core.state", "stella_mpi.optim", "stella_mpi.optim.buckets"} <= found
+    assert _upward(planted("stella_mpi.comm.hierarchy", lazy))
+    # names taken from the top package, from below: upward
+    assert _upward(planted("stella_mpi.base.config", "from stella_mpi import allreduce\n"))
+    assert _upward(planted("stella_mpi.base.config", "from .. import allreduce\n"))
+    # a package __init__ importing its own submodule that imports the package back: a cycle
+    g = planted("stella_mpi._native", "from .compress import topk\n")
+    assert any("stella_mpi._native" in c and "stella_mpi._native.compress" in c for c in _cycles(g))
+    # dynamic imports by name count; computed names are refused
+    assert _upward(planted("stella_mpi.base.config", "import importlib\nimportlib.import_module('stella_mpi.core')\n"))
+    with pytest.raises(AssertionError, match="computed name"):
+        _imports("stella_mpi.base.config", MODULES["stella_mpi.base.config"], "import importlib\n"
+                 "importlib.import_module(name)\n")
+    # the two packages crossing, and the launcher importing torch lazily
+    assert _crossing(planted("stella_mpi.core.state", "def f():\n    import stellarun.cli\n"))
+    assert _crossing(planted("stellarun.wan", "from stella_mpi.comm import buffers\n"))
+    assert "torch" in _third_party(MODULES["stellarun.wan"], "def f():\n    import torch.distributed\n")
 
 
 @pytest.mark.parametrize("code", [
     "import stella_mpi, sys; bad = sorted(m for m in sys.modules if m.split('.')[0] == 'stellarun'); "
     "assert not bad, bad",
     "import stellarun.cli, stellarun.wan, stellarun.tunlink, sys; "
-    "bad = sorted(m for m in ('stella_mpi', 'torch', 'mpi4py', 'numpy') if m in sys.modules); assert not bad, bad",
+    "bad = sorted(m for m in %r if m in sys.modules); assert not bad, bad" % (LAUNCHER_NEVER_LOADS,),
 ], ids=["stella_mpi-loads-no-launcher", "launcher-loads-no-runtime"])
 def test_import_isolation(code):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
-class _Namespaces:
-    """What build_wan_command asks of a WanEmulation (addresses, a command prefix)."""
+class _Recorder(dict):
+    """An environment that notes every variable asked for."""
 
-    def address(self, c):
-        return "10.213.0.%d" % (c + 1)
+    def __init__(self):
+        super().__init__()
+        self.asked = set()
 
-    def exec_prefix(self, c):
-        return ["ip", "netns", "exec", "ns%d" % c]
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return default
 
 
-def test_every_variable_the_launcher_sets_is_read_by_the_config():
+def test_every_variable_the_launcher_names_is_read_by_the_config(monkeypatch):
+    from stella_mpi.base import config
     from stellarun import cli
-    written = set()
-    for argv, emu in ((["-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "9",
-                        "python", "x.py"], None),
-                      (["-np", "4", "--clusters", "2", "--wan", "100mbit", "python", "x.py"], _Namespaces())):
-        cmd = cli.build_wan_command(cli.parse(argv), emu)
-        written |= {cmd[i + 1] for i, a in enumerate(cmd) if a in ("-genv", "-env")}
-    cmd = cli.build_command(cli.parse(["-np", "4", "--clusters", "2", "--cluster-of", "a=x", "--timeout", "5",
-                                       "python", "x.py"]))
-    written |= {cmd[i + 1] for i, a in enumerate(cmd) if a == "-genv"}
-    config = open(os.path.join(ROOT, "stella_mpi", "base", "config.py")).read()
-    read = set(re.findall(r'"((?:STELLA|HOROVOD|GLOO)_[A-Z_]+)"', config))
-    ours = {v for v in written if v.startswith(("STELLA_", "GLOO_"))}
-    assert {"STELLA_CLUSTER", "STELLA_CLUSTERS", "STELLA_WAN_PACE_BPS"} <= ours
-    unknown = sorted(ours - read - set(cli.JOB_INFO_ENV))
-    assert not unknown, "stellarun sets %s, which stella_mpi.base.config does not read" % unknown
+    env = _Recorder()
+    monkeypatch.setattr(config, "os", types.SimpleNamespace(environ=env))
+    config.Config.from_env()
+    config.cpu_cores_setting()
+    config.cpu_threads_setting()
+    named = set()
+    for name, path in MODULES.items():
+        if name.startswith("stellarun"):
+            named |= set(re.findall(r"\b(STELLA_[A-Z0-9_]+)\b", open(path).read()))
+    assert {"STELLA_CLUSTER", "STELLA_CLUSTERS", "STELLA_WAN_PACE_BPS", "STELLA_TIMEOUT"} <= named
+    assert "GLOO_SOCKET_IFNAME" in env.asked
+    unknown = sorted(named - env.asked - set(cli.JOB_INFO_ENV))
+    assert not unknown, "stellarun names %s, which stella_mpi.base.config never reads" % unknown

@@ -23,9 +23,7 @@ def execute_allreduce(pset, desc, inputs, joined):
     buf, direct = fuse(tensors, outputs, compute_dtype(dtype))
     if desc["prescale"] != 1.0:
         scale(buf, desc["prescale"])
-    wire = DTYPES[desc["wire"]] if desc.get("wire") else None
-    if wire is None and dtype in (torch.float16, torch.bfloat16):
-        wire = dtype
+    wire = dtype if dtype in (torch.float16, torch.bfloat16) else None   # 16-bit floats cross the WAN at 16 bits
     pset.hierarchy.allreduce(buf, "sum" if op == "average" else op, wire)
     factor = desc["postscale"]
     if op == "average":
