@@ -78,7 +78,7 @@ class CoreLayout:
             format_cpu_list(self.share) or "-", format_cpu_list(self.allowed), self.source)
 
 
-def plan_cores(local_rank=0, local_size=1, allowed=None, cores=None, threads=None, divide=True):
+def plan_cores(local_rank=0, local_size=1, allowed=None, *, cores=None, threads=None, divide=True):
     """The :class:`CoreLayout` of local rank ``local_rank`` of ``local_size``.
 
     ``cores`` and ``threads`` are the settings ``STELLA_CPU_CORES`` and ``STELLA_CPU_THREADS`` as
@@ -173,7 +173,7 @@ class CpuPool:
         self._ntasks = 0
 
     @classmethod
-    def for_rank(cls, local_rank=0, local_size=1, cores=None, threads=None, divide=True):
+    def for_rank(cls, local_rank=0, local_size=1, divide=True, *, cores=None, threads=None):
         """A pool on the cores :func:`plan_cores` picks."""
         layout = plan_cores(local_rank, local_size, cores=cores, threads=threads, divide=divide)
         pool = cls(layout.workers)
