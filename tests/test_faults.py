@@ -58,3 +58,16 @@ def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     assert elapsed < 30, elapsed
     assert "rank 1 sent a malformed payload for 'sparse.grad#shard1'" in out, out[-3000:]
     assert "finished without noticing" not in out
+
+
+@pytest.mark.parametrize("mode", ["failing_op", "failing_op_all"], ids=["one-rank", "every-rank"])
+def test_a_failed_collective_never_returns_data(mode):
+    """The failing rank's caller gets HorovodInternalError (never its own un-reduced input), and
+    the job ends everywhere."""
+    proc, elapsed = _launch(mode)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "injected transport failure" in out and "rank 1:" in out, out[-3000:]
+    assert "got a result after its collective failed" not in out, out[-3000:]
+    assert "finished without noticing" not in out

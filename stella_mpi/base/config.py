@@ -68,9 +68,7 @@ class Config:
     def from_env(cls):
         """The settings of a run, read at ``hvd.init()``."""
         intra = _choice("STELLA_INTRA_BACKEND", "auto", ("auto", "mpi", "gloo"))
-        timeout = _env(["STELLA_TIMEOUT"], 120.0, float)
-        if timeout <= 0:
-            raise ValueError("STELLA_TIMEOUT must be positive seconds, not %r" % timeout)
+        timeout = timeout_setting()
         clusters = _env(["STELLA_CLUSTERS"], 0, int)
         if clusters < 0:
             raise ValueError("STELLA_CLUSTERS must be a positive number of clusters per node")
@@ -100,3 +98,25 @@ def cpu_cores_setting():
 def cpu_threads_setting():
     """``STELLA_CPU_THREADS`` as written ("" when unset)."""
     return str(os.environ.get(CPU_THREADS_VAR, "")).strip()
+
+
+def timeout_setting():
+    """``STELLA_TIMEOUT``: seconds any wait on a peer may take (start-up and shutdown included)."""
+    timeout = _env(["STELLA_TIMEOUT"], 120.0, float)
+    if timeout <= 0:
+        raise ValueError("STELLA_TIMEOUT must be positive seconds, not %r" % timeout)
+    return timeout
+
+
+def launcher_rank_setting():
+    """This process's rank as the launcher numbered it (hydra, Open MPI, Slurm), or -1: what a
+    message can name before MPI is up."""
+    try:
+        return _env(["PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"], -1, int)
+    except ValueError:
+        return -1
+
+
+def status_dir_setting():
+    """``STELLA_STATUS_DIR``: where stellarun collects how each rank ended ("" = not under stellarun)."""
+    return str(os.environ.get("STELLA_STATUS_DIR", "")).strip()

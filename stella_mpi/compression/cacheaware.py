@@ -10,5 +10,5 @@ class CacheAwareCompressor(SparseCompressor):
     name = "cacheaware"
 
     def _select(self, flat, n, k, residual, ctx):
-        idx, val = kernels.block_topk(flat, k, residual, self.state(ctx.name))
+        idx, val = kernels.block_topk(flat, k, residual, self.state(ctx.name, n))
         return idx, val, None

@@ -155,14 +155,15 @@ class SparseCompressor(Compressor):
     def is_small(self, numel):
         return numel < 16.0 / self.density
 
-    def state(self, name):
-        """The selection state of one tensor (created on first use)."""
+    def state(self, name, numel=None):
+        """The selection state of one tensor (created on first use; afresh when the name comes
+        back with another size: a new tensor)."""
         with self._lock:
-            st = self._states.get(name)
-            if st is None:
-                st = kernels.SelState()
-                self._states[name] = st
-            return st
+            numel_and_state = self._states.get(name)
+            if numel_and_state is None or (numel is not None and numel_and_state[0] != numel):
+                numel_and_state = (numel, kernels.SelState())
+                self._states[name] = numel_and_state
+            return numel_and_state[1]
 
     def select(self, tensor, ctx, memory=None):
         """Select entries of a flat float32 CPU tensor. With ``memory`` (error
@@ -180,7 +181,7 @@ class SparseCompressor(Compressor):
         if n == 0:
             idx, val = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
         elif self.is_small(n):
-            idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+            idx, val = kernels.topk(flat, k, residual, self.state(ctx.name, n))
         else:
             idx, val, key = self._select(flat, n, k, residual, ctx)
         if self.value_dtype != "float32" and len(idx):

@@ -20,15 +20,13 @@ class Memory:
         self._lock = threading.Lock()
 
     def residual(self, name, numel):
-        """The residual of ``name`` (created as zeros); its size must not change."""
+        """The residual of ``name`` (created as zeros). A name reused with another size is a new
+        tensor, as in Horovod: its residual starts afresh."""
         with self._lock:
             r = self._res.get(name)
-            if r is None:
+            if r is None or r.numel() != numel:
                 r = torch.zeros(int(numel), dtype=torch.float32)
                 self._res[name] = r
-            elif r.numel() != numel:
-                raise ValueError("error-feedback residual of %r has %d elements, the tensor now %d"
-                                 % (name, r.numel(), numel))
             return r
 
     def get(self, name):

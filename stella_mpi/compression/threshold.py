@@ -30,5 +30,5 @@ class ThresholdCompressor(SparseCompressor):
             lo = hi = k  # density 1 sends everything: a sampled threshold could miss a few
         else:
             lo, hi = 0, min(n, int(math.ceil(self.slack * k)) + 16)
-        idx, val = kernels.threshold_select(flat, t, lo, hi, residual, self.state(ctx.name))
+        idx, val = kernels.threshold_select(flat, t, lo, hi, residual, self.state(ctx.name, n))
         return idx, val, None

@@ -8,5 +8,5 @@ class TopKCompressor(SparseCompressor):
     name = "topk"
 
     def _select(self, flat, n, k, residual, ctx):
-        idx, val = kernels.topk(flat, k, residual, self.state(ctx.name))
+        idx, val = kernels.topk(flat, k, residual, self.state(ctx.name, n))
         return idx, val, None

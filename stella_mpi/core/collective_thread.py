@@ -16,12 +16,14 @@ active ranks' description.
 
 Any other failure inside a collective (a deadline passed, a transport error)
 leaves the ranks out of step, so it ends the job on every rank at once, with
-a message naming the rank and the cause.
+a message naming the rank and the cause. From that moment no handle of this
+rank completes as a success: the failed op, every op still queued and every
+later submission raise :class:`HorovodInternalError`, and the process ends
+(:func:`stella_mpi.comm.abort.end_job`), whichever thread is waiting.
 """
 import hashlib
 import itertools
 import json
-import os
 import queue
 import threading
 import time
@@ -31,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.errors import CollectiveRefused, HorovodInternalError, TensorMismatchError
+from ..comm.abort import end_job
 from ..comm.messages import allgather_json
 from .executors import neutral_inputs
 
@@ -91,6 +94,7 @@ class CollectiveThread:
         self.check_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="stella-collectives", daemon=True)
         self._stopped = False
+        self._failure = None   # the HorovodInternalError every handle raises after a fatal failure
         self._thread.start()
 
     # ---------------- caller side ----------------
@@ -98,6 +102,8 @@ class CollectiveThread:
     def submit(self, op, post=None):
         """Queue ``op``; returns its integer handle. ``post`` turns the executor's result into
         what :meth:`wait` returns (on the waiting thread)."""
+        if self._failure is not None:
+            raise self._failure
         if self._stopped:
             raise HorovodInternalError("stella_mpi has been shut down; call hvd.init() again")
         handle = Handle(op.name, post)
@@ -150,6 +156,7 @@ class CollectiveThread:
             op = self._queue.get()
             if op is None:
                 return
+            fatal = None
             try:
                 if op.kind == "join":
                     op.handle.result = self._join(op)
@@ -159,20 +166,34 @@ class CollectiveThread:
             except CollectiveRefused as e:
                 op.handle.error = e          # raised on every rank alike: the ranks are still in step
             except Exception as e:  # noqa: BLE001 - a failed collective ends the job everywhere
-                self._fatal(op, e)
+                fatal = e
+                self._fail_everything(op, e)
             finally:
                 with self._lock:
                     self._inflight.discard(op.name)
                 op.handle.done.set()
+            if fatal is not None:
+                self._fatal(op, fatal)   # never returns
+
+    def _fail_everything(self, op, exc):
+        """After ``op`` failed with ``exc``: it, every queued op and every later one raise."""
+        self._failure = HorovodInternalError("rank %d: %s failed (%s: %s); the job is ending on every rank"
+                                             % (self.rank, describe(op.desc), type(exc).__name__, exc))
+        op.handle.error = self._failure
+        while True:
+            try:
+                queued = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if queued is not None:
+                queued.handle.error = self._failure
+                queued.handle.done.set()
 
     def _fatal(self, op, exc):
-        msg = ("stella_mpi: rank %d: %s failed: %s: %s\n%s"
-               "stella_mpi: rank %d: ending the job on every rank\n"
-               % (self.rank, describe(op.desc), type(exc).__name__, exc,
-                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), self.rank))
-        os.write(2, msg.encode(errors="replace"))  # fd 2 itself: sys.stderr may be captured
-        time.sleep(0.5)  # let the launcher forward the message before the job is torn down
-        MPI.COMM_WORLD.Abort(1)
+        end_job("stella_mpi: rank %d: %s failed: %s: %s\n%s"
+                "stella_mpi: rank %d: ending the job on every rank"
+                % (self.rank, describe(op.desc), type(exc).__name__, exc,
+                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), self.rank))
 
     def _hash(self, desc):
         key = json.dumps(desc, sort_keys=True, separators=(",", ":"))

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from ..base.config import Config
 from ..base.errors import NotInitializedError
+from ..comm.abort import end_job
 from ..comm.pacing import Pacer
 from ..comm.topology import cluster_label
 from ..compression.memory import Memory
@@ -141,17 +142,15 @@ def is_initialized():
 
 def _abort_on_uncaught(exc_type, exc, tb):
     """An uncaught exception on one rank ends the job on every rank, naming this rank."""
+    rank = MPI.COMM_WORLD.Get_rank()
     try:
-        rank = MPI.COMM_WORLD.Get_rank()
         sys.stderr.write("stella_mpi: rank %d raised an uncaught %s; ending the job on every rank\n"
                          % (rank, exc_type.__name__))
         (_prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
         sys.stderr.flush()
     finally:
         if MPI.COMM_WORLD.Get_size() > 1 and not issubclass(exc_type, (SystemExit,)):
-            import time
-            time.sleep(0.5)  # let the launcher forward the traceback before the job is torn down
-            MPI.COMM_WORLD.Abort(1)
+            end_job("stella_mpi: rank %d: uncaught %s: %s" % (rank, exc_type.__name__, exc), cause="exception")
 
 
 def init(comm=None, process_sets=None):

@@ -162,3 +162,14 @@ def test_distributed_optimizer_sparse_keeps_ranks_identical():
     topo = hvd.global_process_set.topology
     if topo.num_clusters > 1 and (topo.uniform_clusters or topo.cluster_rank == 0):  # ranks on the WAN
         assert st["last_step"]["wan_bytes_sent"] > 0 and st["last_step"]["density"] < 0.2
+
+
+def test_a_name_reused_with_another_size_is_a_new_tensor():
+    """As in Horovod: the same name with another size later is a new tensor (fresh residual),
+    not an error that ends the job."""
+    comp = hvd.Compression.topk(density=1.0)   # density 1 sends everything: the exact mean
+    for n in (1000, 1536, 1000):
+        x = torch.arange(n, dtype=torch.float32) * (hvd.rank() + 1)
+        out = hvd.allreduce(x, compression=comp, name="reused.size")
+        want = torch.arange(n, dtype=torch.float32) * sum(r + 1 for r in range(hvd.size())) / hvd.size()
+        torch.testing.assert_close(out, want)

@@ -22,6 +22,31 @@ if mode == "corrupt":
         hvd.allreduce(torch.randn(10000), compression=comp, name="sparse.grad")
     print("rank %d finished without noticing the failure" % hvd.rank())
     raise SystemExit(0)
+if mode in ("failing_op", "failing_op_all"):
+    # the third allreduce fails inside the collective thread (as a broken transport would), on
+    # rank 1 alone or on every rank (``failing_op_all``): a caller must get an error, never its
+    # un-reduced buffer, and the whole job must end
+    from stella_mpi.core import executors
+    real = executors.EXECUTORS["allreduce"]
+    calls = [0]
+
+    def failing(pset, desc, inputs, joined):
+        calls[0] += 1
+        if (hvd.rank() == 1 or mode == "failing_op_all") and calls[0] == 3:
+            raise RuntimeError("injected transport failure")
+        return real.run(pset, desc, inputs, joined)
+    executors.EXECUTORS["allreduce"] = executors.Executor(failing, real.neutral)
+    for step in range(50):
+        try:
+            out = hvd.allreduce(torch.full((1000,), float(hvd.rank())), name="fo.%d" % step)
+        except hvd.HorovodInternalError as e:
+            print("rank %d: step %d raised HorovodInternalError: %s" % (hvd.rank(), step, e), flush=True)
+            time.sleep(60)   # the job must end without this rank's help
+            continue
+        if (hvd.rank() == 1 or mode == "failing_op_all") and step >= 2:
+            print("rank %d got a result after its collective failed: %s" % (hvd.rank(), out[:3].tolist()), flush=True)
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
 if hvd.rank() == 1:
     if mode == "raise":
         raise RuntimeError("boom on purpose")

@@ -146,13 +146,14 @@ def test_memory_and_merge_and_scatter():
     mem = Memory()
     r = mem.residual("a", 10)
     assert r.dtype == torch.float32 and r.numel() == 10 and "a" in mem and len(mem) == 1
-    with pytest.raises(ValueError):
-        mem.residual("a", 11)
+    r.fill_(1.0)
+    again = mem.residual("a", 11)   # the name reused with another size: a new tensor, a fresh residual
+    assert again.numel() == 11 and not again.any() and len(mem) == 1
     sd = mem.state_dict()
     mem.reset()
     assert len(mem) == 0
     mem.load_state_dict(sd)
-    assert mem.names() == ["a"]
+    assert mem.names() == ["a"] and mem.get("a").numel() == 11
     comp = Compression.topk(density=0.01)
     xs = [torch.randn(30000) for _ in range(4)]
     sels = [comp.select(x, ctx("m", 0, 30000)) for x in xs]
