@@ -8,28 +8,32 @@ intra-cluster backends, the two-level route), ``core`` (state, process sets, the
 thread, executors), ``api`` (Horovod's functions), ``adjust`` (the bandwidth-driven
 adjuster), ``optim`` (DistributedOptimizer). The launcher is the separate package ``stellarun``.
 """
-from .adjust.settings import Adjuster  # noqa: F401
-from .api.allgather import allgather, allgather_async, grouped_allgather  # noqa: F401
-from .api.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce,  # noqa: F401
+from .comm.process_watchdog import import_mpi as _import_mpi
+
+_import_mpi()   # first: MPI_Init waits for every rank, under the STELLA_TIMEOUT deadline
+
+from .adjust.settings import Adjuster  # noqa: F401,E402
+from .api.allgather import allgather, allgather_async, grouped_allgather  # noqa: F401,E402
+from .api.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce,  # noqa: F401,E402
                             grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
                             sparse_allreduce_async)
-from .api.alltoall import alltoall, alltoall_async  # noqa: F401
-from .api.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_  # noqa: F401
-from .api.control import barrier, join  # noqa: F401
-from .api.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
+from .api.alltoall import alltoall, alltoall_async  # noqa: F401,E402
+from .api.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_  # noqa: F401,E402
+from .api.control import barrier, join  # noqa: F401,E402
+from .api.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401,E402
                             broadcast_parameters)
-from .api.handles import poll, synchronize  # noqa: F401
-from .api.lifecycle import (add_process_set, init, is_initialized, remove_process_set, shutdown,  # noqa: F401
+from .api.handles import poll, synchronize  # noqa: F401,E402
+from .api.lifecycle import (add_process_set, init, is_initialized, remove_process_set, shutdown,  # noqa: F401,E402
                             start_timeline, stats, stop_timeline)
-from .api.queries import (ccl_built, cluster_id, cluster_rank, cluster_size, cross_rank, cross_size,  # noqa: F401
+from .api.queries import (ccl_built, cluster_id, cluster_rank, cluster_size, cross_rank, cross_size,  # noqa: F401,E402
                           cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous, local_rank, local_size,
                           mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, num_clusters, rank, rocm_built,
                           size)
-from .api.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
-from .api.reducescatter import grouped_reducescatter, reducescatter, reducescatter_async  # noqa: F401
-from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401
-from .compression import Compression  # noqa: F401
-from .core.process_sets import ProcessSet, global_process_set  # noqa: F401
-from .optim.factory import DistributedOptimizer  # noqa: F401
+from .api.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401,E402
+from .api.reducescatter import grouped_reducescatter, reducescatter, reducescatter_async  # noqa: F401,E402
+from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401,E402
+from .compression import Compression  # noqa: F401,E402
+from .core.process_sets import ProcessSet, global_process_set  # noqa: F401,E402
+from .optim.factory import DistributedOptimizer  # noqa: F401,E402
 
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
 """A rank that raises, exits or stalls ends the whole job within seconds, with a message
 naming it: never a hang."""
+import re
 import sys
 import time
 
@@ -48,7 +49,21 @@ def test_stalled_rank_hits_the_deadline():
     assert proc.returncode != 0
     assert elapsed < 40, elapsed
     assert "did not complete within 3 s" in out, out[-3000:]
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) never came", out), out[-3000:]
     assert "ending the job on every rank" in out
+
+
+@pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 3 s"),
+                                       ("late_init", "rank 1 never came"),
+                                       ("stop_at_exit", "MPI_Finalize did not complete within 3 s")])
+def test_start_and_end_have_deadlines(mode, what):
+    """A rank frozen before MPI_Init, before hvd.init() or at the end of the program: the others
+    end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""
+    proc, elapsed = _launch(mode, timeout_env="3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 15, (elapsed, out[-3000:])
+    assert what in out, out[-3000:]
 
 
 def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():

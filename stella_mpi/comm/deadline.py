@@ -6,30 +6,53 @@ be frequent: it yields the CPU between tests (other ranks on the same cores
 get to run, which matters when ranks outnumber cores) and only after a few
 milliseconds without completion falls back to short sleeps. The GIL is
 released while yielding or sleeping, so the training thread keeps running.
+While it polls, a wait answers the other ranks' questions of where it is
+(:mod:`.diagnosis`); when its deadline passes, it asks them, so the error names
+the ranks that never came.
+
+MPI calls that have no non-blocking form (communicator splits, group creation,
+finalization) run under :meth:`Deadline.guard`: a watchdog thread that ends the
+job if the call has not returned by the deadline.
 """
 import os
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 from mpi4py import MPI
 
 from ..base.errors import StellaTimeoutError
+from . import diagnosis
+from .abort import end_job
 
 _YIELD_SECONDS = 5e-3   # poll with sched_yield this long before sleeping
 _MAX_SLEEP = 2e-4
 
 
 class Deadline:
-    """Waits on requests; raises StellaTimeoutError past ``timeout_s``."""
+    """Waits on requests; raises StellaTimeoutError past ``timeout_s``, naming the ranks of
+    ``peers`` (COMM_WORLD ranks the waits involve; all when None) that never came."""
 
-    def __init__(self, timeout_s, rank):
+    def __init__(self, timeout_s, rank, peers=None):
         self.timeout_s = timeout_s
         self.rank = rank
+        self.peers = peers
+
+    @property
+    def grace_s(self):
+        """How long a rank whose deadline passed listens for the others' answers."""
+        return min(3.0, max(0.5, self.timeout_s / 4))
 
     def _expired(self, what):
+        peers = self.peers if self.peers is not None else range(MPI.COMM_WORLD.Get_size())
+        lines = diagnosis.ask(what, peers, self.grace_s)
+        missing = diagnosis.silent(lines)
         return StellaTimeoutError(
-            "rank %d: %s did not complete within %.0f s (STELLA_TIMEOUT); a peer has stalled, "
-            "died or is running a different collective" % (self.rank, what, self.timeout_s))
+            "rank %d: %s did not complete within %.0f s (STELLA_TIMEOUT); %s\n%s"
+            % (self.rank, what, self.timeout_s,
+               "%s never came" % ", ".join(missing) if missing else "every peer answered: they wait elsewhere",
+               "\n".join(lines)))
 
     def wait(self, req, what):
         self.wait_all([req], what)
@@ -51,11 +74,33 @@ class Deadline:
             elapsed = time.monotonic() - start
             if elapsed > self.timeout_s:
                 raise self._expired(what)
+            if elapsed > 0.5:
+                diagnosis.serve(what)
             if elapsed < _YIELD_SECONDS:
                 yield_()
             else:
                 time.sleep(nap)
                 nap = min(nap * 2, _MAX_SLEEP)
+
+    @contextmanager
+    def guard(self, what, slack=False):
+        """Run a blocking MPI call (one with no request to poll) under a watchdog: if the block
+        has not finished within the deadline, the job ends, naming ``what`` and the ranks that
+        never came. ``slack``: the block also holds waits with deadlines of their own, which
+        should expire (with their more precise message) before the watchdog does."""
+        done = threading.Event()
+        limit = self.timeout_s + (2 * self.grace_s + 5 if slack else 0)
+
+        def watch():
+            if not done.wait(limit):
+                end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank"
+                        % (self._expired(what), self.rank), cause="deadline")
+        watcher = threading.Thread(target=watch, name="stella-watchdog", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def wait_work(self, work, what):
         """Wait on a torch.distributed Work object (gloo/NCCL)."""

@@ -142,12 +142,17 @@ class CollectiveThread:
         except KeyError:
             raise ValueError("unknown or already synchronized handle %r" % (hid,)) from None
 
-    def stop(self):
+    def stop(self, timeout_s):
+        """Let the queued ops finish and the thread end; every wait of those ops has its own
+        deadline, so the thread is given that and a margin before the job is ended."""
         if self._stopped:
             return
         self._stopped = True
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s + 30)
+        if self._thread.is_alive():
+            end_job("stella_mpi: rank %d: hvd.shutdown(): the collective thread did not stop within %.0f s"
+                    % (self.rank, timeout_s + 30), cause="deadline")
 
     # ---------------- the thread ----------------
 
@@ -177,8 +182,9 @@ class CollectiveThread:
 
     def _fail_everything(self, op, exc):
         """After ``op`` failed with ``exc``: it, every queued op and every later one raise."""
+        first_line = (str(exc).splitlines() or [""])[0]
         self._failure = HorovodInternalError("rank %d: %s failed (%s: %s); the job is ending on every rank"
-                                             % (self.rank, describe(op.desc), type(exc).__name__, exc))
+                                             % (self.rank, describe(op.desc), type(exc).__name__, first_line))
         op.handle.error = self._failure
         while True:
             try:

@@ -52,7 +52,8 @@ class ProcessSet:
         self._world_rank = world_rank
         if comm == MPI.COMM_NULL:
             return
-        self.deadline = Deadline(config.timeout_s, world_rank)
+        self.deadline = Deadline(config.timeout_s, world_rank,
+                                 peers=world.Get_group().Translate_ranks(self.ranks, MPI.COMM_WORLD.Get_group()))
         topo = build_topology(comm, label_of, self.deadline)
         self.comms = Communicators(comm, topo)
         self.intra = self._intra_backend(topo, config)

@@ -12,6 +12,8 @@ a run is left, and ``init()`` starts from scratch. The Horovod API reads the sta
 import atexit
 import itertools
 import logging
+import os
+import socket
 import sys
 import threading
 
@@ -19,9 +21,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.config import Config
-from ..base.errors import NotInitializedError
+from ..base.errors import NotInitializedError, StellaTimeoutError
+from ..comm import diagnosis
 from ..comm.abort import end_job
+from ..comm.deadline import Deadline
+from ..comm.messages import allgather_json
 from ..comm.pacing import Pacer
+from ..comm.process_watchdog import guard_exit
 from ..comm.topology import cluster_label
 from ..compression.memory import Memory
 from .collective_thread import CollectiveThread
@@ -39,18 +45,26 @@ class Runtime:
         logging.basicConfig()
         log.setLevel(self.config.log_level.upper() if self.config.log_level.upper() in
                      ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING")
+        cfg = self.config
+        everyone = Deadline(cfg.timeout_s, MPI.COMM_WORLD.Get_rank())
         if comm is None:
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             world = MPI.COMM_WORLD
             ranks = sorted(comm)
             group = world.Get_group().Incl(ranks)
-            comm = world.Create_group(group)
+            with everyone.guard("hvd.init(comm=%s): creating the communicator" % ranks):
+                comm = world.Create_group(group)
             group.Free()
-        self.world = comm.Dup()
+        # every rank of the job must call init(): the duplication is where they meet
+        arrival = Deadline(cfg.timeout_s, comm.Get_rank(), peers=world_ranks(comm, range(comm.Get_size())))
+        self.world, request = comm.Idup()
+        arrival.wait(request, "hvd.init() (every rank must call it)")
         self.rank = self.world.Get_rank()
         self.size = self.world.Get_size()
-        cfg = self.config
+        roster = allgather_json(self.world, [socket.gethostname(), os.getpid(), MPI.COMM_WORLD.Get_rank()], arrival,
+                                "hvd.init(): hosts")
+        diagnosis.set_roster({e[2]: e[:2] for e in roster})
         self.wan_stats = WanStats()
         self.pacer = Pacer(cfg.wan_pace_bps, cfg.wan_pace_delay_s)
         self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
@@ -58,7 +72,8 @@ class Runtime:
         self._auto_names = {}           # (prefix, process set id) -> counter naming unnamed collectives
         self._auto_lock = threading.Lock()
         global_process_set.ranks = list(range(self.size))
-        self._build(global_process_set, is_global=True)
+        with arrival.guard("hvd.init(): building the communicators", slack=True):
+            self._build(global_process_set, is_global=True)
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
         self.collective_thread = CollectiveThread(self.rank, cfg)
@@ -92,12 +107,13 @@ class Runtime:
             sub = ps._mpi_comm
             mine = np.array([self.rank], dtype=np.int64)
             members = np.zeros(sub.Get_size(), dtype=np.int64)
-            sub.Allgather(mine, members)
+            global_process_set.deadline.wait(sub.Iallgather(mine, members), "add_process_set: the members")
             ps.ranks = sorted(members.tolist())
         existing = [p for p in self.process_sets.values() if p.ranks == ps.ranks]
         if existing:
             raise ValueError("a process set with ranks %s already exists (id %d)" % (ps.ranks, existing[0].process_set_id))
-        self._build(ps, is_global=False)
+        with global_process_set.deadline.guard("add_process_set(%s)" % ps.ranks, slack=True):
+            self._build(ps, is_global=False)
         ps.process_set_id = max(self.process_sets) + 1
         self.process_sets[ps.process_set_id] = ps
         return ps
@@ -112,11 +128,12 @@ class Runtime:
         return True
 
     def close(self):
-        self.collective_thread.stop()
-        for ps in list(self.process_sets.values()):
-            ps._free()
-            ps.process_set_id = None
-        self.world.Free()
+        self.collective_thread.stop(self.config.timeout_s)
+        with Deadline(self.config.timeout_s, self.rank).guard("hvd.shutdown(): freeing the communicators"):
+            for ps in list(self.process_sets.values()):
+                ps._free()
+                ps.process_set_id = None
+            self.world.Free()
 
 
 _runtime = None
@@ -165,7 +182,12 @@ def init(comm=None, process_sets=None):
             return
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        _runtime = Runtime(comm, process_sets)
+        try:
+            _runtime = Runtime(comm, process_sets)
+        except StellaTimeoutError as e:
+            # a rank never came: the job cannot start, and MPI cannot finalize cleanly either
+            end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank"
+                    % (e, MPI.COMM_WORLD.Get_rank()), cause="deadline")
         if _prev_excepthook is None:
             _prev_excepthook = sys.excepthook
             sys.excepthook = _abort_on_uncaught
@@ -181,4 +203,15 @@ def shutdown():
         rt.close()
 
 
-atexit.register(shutdown)
+def world_ranks(comm, ranks):
+    """COMM_WORLD's numbers of ``comm``'s ``ranks`` (what diagnosis asks)."""
+    return list(comm.Get_group().Translate_ranks(list(ranks), MPI.COMM_WORLD.Get_group()))
+
+
+def _at_exit():
+    shutdown()
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        guard_exit(MPI.COMM_WORLD.Get_rank())   # MPI_Finalize comes next: it gets a deadline too
+
+
+atexit.register(_at_exit)

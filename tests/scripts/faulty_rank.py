@@ -3,13 +3,25 @@ import os
 import sys
 import time
 
+import signal
+
 import torch
 
-import stella_mpi as hvd
-
-hvd.init()
 mode = sys.argv[1]
+if mode == "late_import" and os.environ.get("PMI_RANK") == "1":
+    time.sleep(120)            # never reaches MPI_Init in time
+import stella_mpi as hvd  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+if mode == "late_init" and MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(120)            # MPI is up, but hvd.init() does not come in time
+hvd.init()
 hvd.allreduce(torch.ones(4), name="warmup")
+if mode == "stop_at_exit":
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)   # frozen: the others' MPI_Finalize waits for it
+    print("rank %d reached the end" % hvd.rank(), flush=True)
+    raise SystemExit(0)
 if mode == "corrupt":
     def flip_index_bytes(payload):
         bad = payload.clone()

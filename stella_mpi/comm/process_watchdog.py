@@ -1,0 +1,69 @@
+"""Deadlines on MPI's start and end, which no request can be polled for.
+
+Importing mpi4py's MPI module initializes MPI, and MPI_Init waits for every rank of the job to
+arrive; MPI_Finalize, at the end of the program, can wait for a peer too. A rank that freezes or
+dies must not hang the others there, so both run under a watchdog (``STELLA_TIMEOUT``).
+
+The watchdog is a forked child process, not a thread: MPI_Init may spin holding the GIL, and
+MPI_Finalize runs when Python's threads are gone. The child waits on a pipe whose write end only
+the parent holds; the parent closes it when the guarded step is over (or the kernel does when
+the parent exits). If the deadline passes first, the child writes the message, records the
+failure for stellarun and kills the parent, which the launcher sees as a failed rank."""
+import os
+import select
+import signal
+import sys
+
+from ..base.config import launcher_rank_setting, timeout_setting
+from .abort import record_status
+
+
+def _timeout():
+    try:
+        return timeout_setting()
+    except ValueError:
+        return 120.0   # init() reports the bad setting
+
+
+def watch(timeout, message, rank):
+    """Fork a watchdog that kills this process unless the returned pipe end is closed (or this
+    process exits) within ``timeout`` seconds. Returns (write end, child pid)."""
+    parent = os.getpid()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(w)
+            ready, _, _ = select.select([r], [], [], timeout)
+            if not ready:
+                os.write(2, message.encode(errors="replace"))
+                record_status("deadline", message.strip(), rank=rank)
+                os.kill(parent, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(r)
+    return w, child
+
+
+def import_mpi():
+    """Import ``mpi4py.MPI`` (initializing MPI) unless it is already; this process ends with a
+    message if MPI_Init has not returned within the deadline."""
+    if "mpi4py.MPI" in sys.modules:
+        return
+    timeout, rank = _timeout(), launcher_rank_setting()
+    w, child = watch(timeout, "stella_mpi: rank %d (as the launcher numbers it): MPI_Init did not complete within %.0f "
+                     "s (STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
+                     "down)\n" % (rank, timeout), rank)
+    try:
+        from mpi4py import MPI  # noqa: F401
+    finally:
+        os.close(w)             # the watchdog sees end-of-file and leaves
+        os.waitpid(child, 0)
+
+
+def guard_exit(rank):
+    """Arm the deadline of this process's end (MPI_Finalize): the watchdog kills the process if
+    it is still alive ``STELLA_TIMEOUT`` seconds from now."""
+    timeout = _timeout()
+    watch(timeout, "stella_mpi: rank %d: MPI_Finalize did not complete within %.0f s (STELLA_TIMEOUT) after the "
+          "program ended: a peer rank has stalled; ending this process\n" % (rank, timeout), rank)
