@@ -22,6 +22,14 @@ stretched by the delay.
 Everything after the options is the command; mpirun options stellarun does not know can be
 given after ``--mpi-args``. stellarun only prepares the environment and runs mpirun: the
 transport, rendezvous and process launch stay MPI's.
+
+Each rank runs under a small supervisor (``python -m stellarun.rank``) that records how it ended;
+when the job fails, stellarun prints the first rank that failed and why, and exits with one code
+per kind of failure: 10 an uncaught exception, 11 a failed collective, 12 a passed deadline (a
+rank stalled or never came), 13 a rank killed by a signal, 14 a rank's own non-zero exit, 15
+mpirun failed with no rank saying why, 128+N stellarun itself stopped by signal N, 2 a usage
+error. If stellarun is killed, its job goes with it. After every job it removes the shared-memory
+and topology files MPICH leaves behind (``stellarun --clean`` removes those of any ended job).
 """
 import argparse
 import os
@@ -29,9 +37,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-from . import shaping
+from . import leftovers, shaping, status
+from .rank import die_with_parent
 from .wan import WanEmulation, namespaces_available, reap_stale
 
 
@@ -69,11 +79,16 @@ def wan_hosts(sizes):
     return ",".join("stella-wan%d:%d" % (c, n) for c, n in enumerate(sizes))
 
 
-def build_wan_command(args, emu):
+def supervised(command):
+    """What each rank runs: the rank supervisor (stellarun/rank.py), then the user's command."""
+    return [sys.executable, "-m", "stellarun.rank", "--"] + list(command)
+
+
+def build_wan_command(args, emu, status_dir):
     """MPMD mpirun command: cluster c's ranks start inside namespace c."""
     sizes = cluster_sizes(args.np, args.clusters or 2)
     cmd = [args.mpirun or find_mpirun()]
-    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan))}
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan)), "STELLA_STATUS_DIR": status_dir}
     if args.timeout:
         env["STELLA_TIMEOUT"] = str(args.timeout)
     if emu is not None:
@@ -97,12 +112,12 @@ def build_wan_command(args, emu):
         cmd += ["-n", str(n), "-env", "STELLA_CLUSTER", "wan%d" % c]
         if emu is not None:
             cmd += ["-env", "STELLA_WAN_ADDR", emu.address(c)] + emu.exec_prefix(c)
-        cmd += list(args.command)
+        cmd += supervised(args.command)
     return cmd
 
 
 def run_with_wan(args):
-    """Set up the emulated WAN, run mpirun under it, and always tear it down."""
+    """Set up the emulated WAN, run the job under it, and always tear it down."""
     if not args.np:
         raise SystemExit("stellarun: give the number of ranks with -np N")
     clusters = args.clusters or 2
@@ -117,20 +132,8 @@ def run_with_wan(args):
         emu = WanEmulation(clusters, rate, schedule, delay_s=delay)
     elif schedule:
         raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
-    cmd = build_wan_command(args, emu)
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    proc = None
-    signalled = []
 
-    def forward(signum, frame):
-        signalled.append(time.monotonic())
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signum)
-    # handlers first: a Ctrl-C while the emulation is built must not skip its removal
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    def setup():
         if emu is not None:
             stale = reap_stale()
             if stale:
@@ -144,29 +147,80 @@ def run_with_wan(args):
                   "(network namespaces unavailable: %s)"
                   % (rate / 1e6, " plus %g ms one-way delay per exchange" % (delay * 1e3) if delay else "", why),
                   flush=True)
-        if signalled:
-            return 128 + signal.SIGINT
-        proc = subprocess.Popen(cmd)
-        while True:
+
+    def teardown():
+        if emu is not None:
+            emu.close()
+    return run_job(args, lambda status_dir: build_wan_command(args, emu, status_dir), setup, teardown)
+
+
+def run_job(args, command_for, setup=None, teardown=None):
+    """Run mpirun (``command_for(status_dir)``) supervised: signals forwarded, ranks killed
+    SIGNAL_GRACE_S after a signal they ignore, mpirun killed with stellarun, MPICH's leftovers
+    removed, the first failed rank reported. Returns stellarun's exit code."""
+    if args.dry_run:
+        print(" ".join(command_for(os.path.join(tempfile.gettempdir(), "stellarun-status-XXXX"))))
+        return 0
+    status_dir = tempfile.mkdtemp(prefix="stellarun-status-")
+    cmd = command_for(status_dir)
+    started = time.time()
+    proc = None
+    signalled = []
+
+    def forward(signum, frame):
+        signalled.append((time.monotonic(), signum))
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+    # handlers first: a Ctrl-C while the emulation is built must not skip its removal
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    rc = None
+    try:
+        if setup is not None:
+            setup()
+        if not signalled:
+            sys.stdout.flush()
+            proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)   # mpirun goes if stellarun is killed
+        while proc is not None:
             try:
-                return proc.wait(timeout=0.5)
+                rc = proc.wait(timeout=0.5)
+                break
             except subprocess.TimeoutExpired:
                 # mpirun waits for ranks that ignore the signal: after a grace period, kill them
-                if signalled and time.monotonic() - signalled[0] > SIGNAL_GRACE_S:
+                if signalled and time.monotonic() - signalled[0][0] > SIGNAL_GRACE_S:
                     print("stellarun: ranks still running %.0f s after the signal; killing them" % SIGNAL_GRACE_S,
                           flush=True)
-                    return 128 + signal.SIGKILL
+                    break
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-        if emu is not None:
-            emu.close()
-        for s, h in old.items():
-            signal.signal(s, h)
+        try:
+            if teardown is not None:
+                teardown()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            removed = leftovers.remove_after_job(since=started - 1)
+            records = status.read_all(status_dir)
+            shutil.rmtree(status_dir, ignore_errors=True)
+    if removed:
+        print("stellarun: removed %d file(s) MPICH left behind (%s)" % (len(removed), ", ".join(removed)), flush=True)
+    if signalled:   # what the ranks recorded then is the signal's doing, not a failure
+        print("stellarun: stopped by %s; the job was stopped" % signal.Signals(signalled[0][1]).name, flush=True)
+        return 128 + signalled[0][1]
+    line, code = status.report(records)
+    if line:
+        print("stellarun: " + line, flush=True)
+    if code:
+        return code
+    if rc:
+        print("stellarun: mpirun exited with code %d and no rank said why (the launch itself failed?)" % rc,
+              flush=True)
+        return status.LAUNCH_FAILED
+    return 0
 
 
-def build_command(args):
+def build_command(args, status_dir):
     cmd = [args.mpirun or find_mpirun()]
     np_ = args.np or int(os.environ.get("SLURM_NTASKS", "0") or 0)
     if np_ <= 0:
@@ -174,7 +228,7 @@ def build_command(args):
     cmd += ["-np", str(np_)]
     if args.hostfile:
         cmd += ["-f", args.hostfile]
-    env = {"PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_STATUS_DIR": status_dir}
     if args.clusters:
         if args.clusters > np_:
             raise SystemExit("stellarun: --clusters %d is more than the %d ranks" % (args.clusters, np_))
@@ -194,7 +248,7 @@ def build_command(args):
     cmd += list(args.mpi_args or [])
     if not args.command:
         raise SystemExit("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
-    return cmd + list(args.command)
+    return cmd + supervised(args.command)
 
 
 def _parsed_by(name):
@@ -224,22 +278,25 @@ def parse(argv):
     p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
                    help="one-way delay on the emulated WAN (e.g. 30ms)")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
+    p.add_argument("--clean", action="store_true",
+                   help="remove the shared-memory and topology files MPICH left behind on this machine (of jobs "
+                        "that no longer run) and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.clean:
+        removed = leftovers.remove_unused()
+        print("stellarun: removed %d file(s) MPICH left behind%s" % (len(removed), "".join("\n  " + p for p in removed)))
+        return 0
     if args.wan:
         return run_with_wan(args)
     if args.wan_schedule or args.wan_delay:
         raise SystemExit("stellarun: --wan-schedule and --wan-delay need --wan RATE")
-    cmd = build_command(args)
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    sys.stdout.flush()
-    os.execv(cmd[0], cmd)
+    build_command(args, "")   # usage errors before anything starts
+    return run_job(args, lambda status_dir: build_command(args, status_dir))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_paced_mode_passes_the_delay_and_wan_pace_applies_it(monkeypatch):
     from stella_mpi.comm.pacing import Pacer
     from stellarun import cli as launcher
     args = launcher.parse(["-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "40ms", "python", "x.py"])
-    cmd = launcher.build_wan_command(args, None)
+    cmd = launcher.build_wan_command(args, None, "/tmp/status")
     assert cmd[cmd.index("STELLA_WAN_PACE_DELAY_S") + 1] == "0.04"
     for var in ("STELLA_WAN_PACE_BPS", "STELLA_WAN_PACE_DELAY_S"):   # what the ranks get, as the runtime reads it
         monkeypatch.setenv(var, cmd[cmd.index(var) + 1])

@@ -29,17 +29,18 @@ def this_rank():
 
 
 def record_status(cause, detail, rank=None):
-    """Write how this rank ended to ``STELLA_STATUS_DIR/rank<r>.json`` (stellarun reads it); a
-    no-op without stellarun. The first record of a rank is kept."""
+    """Write how this rank ended to ``STELLA_STATUS_DIR/rank<r>.json`` for stellarun (a no-op
+    without stellarun; the first record of a rank is kept). The record's format is stellarun's
+    (stellarun/status.py: rank, host, pid, time, cause, detail); tests/unit/test_fail_stop_report.py
+    checks that both writers agree."""
     directory = status_dir_setting()
     if not directory:
         return
     rank = this_rank() if rank is None else rank
-    path = os.path.join(directory, "rank%d.json" % rank)
     rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "cause": cause,
            "detail": str(detail)[:2000]}
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError:
         return   # already recorded (or no such directory): the first cause wins
     with os.fdopen(fd, "w") as f:

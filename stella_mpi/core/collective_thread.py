@@ -32,8 +32,8 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from ..base.errors import CollectiveRefused, HorovodInternalError, TensorMismatchError
-from ..comm.abort import end_job
+from ..base.errors import CollectiveRefused, HorovodInternalError, StellaTimeoutError, TensorMismatchError
+from ..comm.abort import end_job, record_status
 from ..comm.messages import allgather_json
 from .executors import neutral_inputs
 
@@ -185,6 +185,8 @@ class CollectiveThread:
         first_line = (str(exc).splitlines() or [""])[0]
         self._failure = HorovodInternalError("rank %d: %s failed (%s: %s); the job is ending on every rank"
                                              % (self.rank, describe(op.desc), type(exc).__name__, first_line))
+        # the cause is recorded before any waiting thread wakes up and reports its own exception
+        record_status(self._cause(exc), str(self._failure))
         op.handle.error = self._failure
         while True:
             try:
@@ -195,11 +197,14 @@ class CollectiveThread:
                 queued.handle.error = self._failure
                 queued.handle.done.set()
 
+    @staticmethod
+    def _cause(exc):
+        return "deadline" if isinstance(exc, StellaTimeoutError) else "collective"
+
     def _fatal(self, op, exc):
-        end_job("stella_mpi: rank %d: %s failed: %s: %s\n%s"
-                "stella_mpi: rank %d: ending the job on every rank"
-                % (self.rank, describe(op.desc), type(exc).__name__, exc,
-                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), self.rank))
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        end_job("stella_mpi: rank %d: %s failed: %s: %s\n%sstella_mpi: rank %d: ending the job on every rank"
+                % (self.rank, describe(op.desc), type(exc).__name__, exc, trace, self.rank), cause=self._cause(exc))
 
     def _hash(self, desc):
         key = json.dumps(desc, sort_keys=True, separators=(",", ":"))

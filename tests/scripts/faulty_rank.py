@@ -64,6 +64,8 @@ if hvd.rank() == 1:
         raise RuntimeError("boom on purpose")
     if mode == "exit":
         os._exit(3)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "stall":
         time.sleep(120)
 for step in range(1000):

@@ -69,15 +69,16 @@ def test_cluster_map_by_host(monkeypatch):
 
 def test_stellarun_builds_the_mpirun_command():
     from stellarun.cli import build_command, parse
-    cmd = build_command(parse(["-np", "4", "--clusters", "2", "--mpirun", "/x/mpirun", "python", "t.py", "--lr", "1"]))
+    cmd = build_command(parse(["-np", "4", "--clusters", "2", "--mpirun", "/x/mpirun", "python", "t.py", "--lr", "1"]),
+                        "/tmp/status")
     assert cmd[:3] == ["/x/mpirun", "-np", "4"]
     assert cmd[-4:] == ["python", "t.py", "--lr", "1"]
     i = cmd.index("STELLA_CLUSTERS")
     assert cmd[i - 1] == "-genv" and cmd[i + 1] == "2"
     with pytest.raises(SystemExit, match="more than"):
-        build_command(parse(["-np", "2", "--clusters", "3", "--mpirun", "m", "python"]))
+        build_command(parse(["-np", "2", "--clusters", "3", "--mpirun", "m", "python"]), "")
     with pytest.raises(SystemExit, match="HOST=LABEL"):
-        build_command(parse(["-np", "2", "--cluster-of", "x", "--mpirun", "m", "python"]))
+        build_command(parse(["-np", "2", "--cluster-of", "x", "--mpirun", "m", "python"]), "")
 
 
 def test_the_launcher_splits_ranks_into_clusters_as_the_runtime_does():
