@@ -10,9 +10,11 @@ from .reduce_ops import OP_NAMES, Average, Sum, handle_average_backwards_compati
 from .validation import check_tensor, checked_process_set, dense_compression
 
 
-def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, process_set, prefix, single=False):
+def allreduce_tensors_async(tensors, outputs_from, name, op, prescale, postscale, process_set, prefix, single=False,
+                            gradients=False):
     """Queue one fused allreduce of ``tensors`` into ``outputs_from(tensors)``; ``single``: the
-    handle returns the one output tensor instead of a list."""
+    handle returns the one output tensor instead of a list; ``gradients``: NaN/Inf on any rank
+    refuses the op on every rank (NonFiniteGradientError), unless ``STELLA_NONFINITE=off``."""
     what = "hvd." + prefix
     collective_thread(what)
     pset = checked_process_set(process_set, what)
@@ -38,28 +40,29 @@ def _allreduce_async(tensors, outputs_from, name, op, prescale, postscale, proce
     if single:
         post_all = post
         post = lambda result: post_all(result)[0]  # noqa: E731
-    return submit("allreduce", name, desc, (hosts, host_outs), pset, post)
+    check = gradients and state.current().config.nonfinite != "off"
+    return submit("allreduce", name, desc, (hosts, host_outs), pset, post, finite=hosts if check else None)
 
 
-def _new_outputs(tensors):
+def new_outputs(tensors):
     return [torch.empty_like(t) for t in tensors]
 
 
-def _inplace_outputs(tensors):
+def inplace_outputs(tensors):
     return list(tensors)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     op = handle_average_backwards_compatibility(op, average)
-    return _allreduce_async([tensor], _new_outputs, name, op, prescale_factor, postscale_factor, process_set,
+    return allreduce_tensors_async([tensor], new_outputs, name, op, prescale_factor, postscale_factor, process_set,
                             "allreduce", single=True)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
     op = handle_average_backwards_compatibility(op, average)
-    return _allreduce_async([tensor], _inplace_outputs, name, op, prescale_factor, postscale_factor, process_set,
+    return allreduce_tensors_async([tensor], inplace_outputs, name, op, prescale_factor, postscale_factor, process_set,
                             "allreduce", single=True)
 
 
@@ -83,7 +86,9 @@ def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_fact
     (stella_mpi/comm/sparse_exchange.py).
 
     ``name`` keys the error-feedback residual (kept in ``memory``, by default the runtime's);
-    ``step`` feeds the compressor's context (random-k draws), by default a per-name counter."""
+    ``step`` feeds the compressor's context (random-k draws), by default a per-name counter.
+    A NaN or Inf on any rank refuses the op on every rank before anything is selected, so the
+    residual stays finite (NonFiniteGradientError), unless ``STELLA_NONFINITE=off``."""
     what = "hvd.allreduce(compression=%s)" % compression.name
     collective_thread(what)
     pset = checked_process_set(process_set, what)
@@ -108,7 +113,8 @@ def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_fact
     outputs = list(tensors) if inplace else [torch.empty_like(t) for t in tensors]
     host_outs, post = staged(outputs, hosts)
     mem = rt.sparse_memory if memory is None else memory
-    return submit("sparse_allreduce", name, desc, (hosts, host_outs, compression, mem), pset, post)
+    return submit("sparse_allreduce", name, desc, (hosts, host_outs, compression, mem), pset, post,
+                  finite=hosts if rt.config.nonfinite != "off" else None)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -142,14 +148,14 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
     op = handle_average_backwards_compatibility(op, average)
-    return _allreduce_async(list(tensors), _new_outputs, name, op, prescale_factor, postscale_factor, process_set,
+    return allreduce_tensors_async(list(tensors), new_outputs, name, op, prescale_factor, postscale_factor, process_set,
                             "grouped_allreduce")
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     op = handle_average_backwards_compatibility(op, average)
-    return _allreduce_async(list(tensors), _inplace_outputs, name, op, prescale_factor, postscale_factor,
+    return allreduce_tensors_async(list(tensors), inplace_outputs, name, op, prescale_factor, postscale_factor,
                             process_set, "grouped_allreduce")
 
 

@@ -43,10 +43,11 @@ def staged(outputs, hosts):
     return host_outs, post
 
 
-def submit(kind, name, desc, inputs, pset, post):
-    """Queue an op of the public API; returns its handle."""
+def submit(kind, name, desc, inputs, pset, post, finite=None):
+    """Queue an op of the public API; returns its handle. ``finite``: tensors (gradients) that
+    must hold no NaN/Inf on any rank, checked in the agreement round (see core/nonfinite.py)."""
     thread = collective_thread("hvd.%s" % kind)
-    return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset), post)
+    return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset, finite), post)
 
 
 def poll(handle):

@@ -61,6 +61,7 @@ class Config:
     log_level: str
     seed: int                 # seed shared by all ranks (random-k draws)
     sparse_algorithm: str     # "auto" | "allgather" | "tree": summing selections across clusters
+    nonfinite: str = "skip"   # a NaN/Inf gradient: "skip" the step everywhere, "raise", or "off" (no check)
     wan_pace_bps: float = 0.0     # user-space pacing of cross-cluster sends (stellarun --wan without namespaces)
     wan_pace_delay_s: float = 0.0  # one-way delay added per paced message round
 
@@ -84,6 +85,7 @@ class Config:
             log_level=_env(["STELLA_LOG_LEVEL", "HOROVOD_LOG_LEVEL"], "warning", str),
             seed=_env(["STELLA_SEED"], 0, int),
             sparse_algorithm=_choice("STELLA_SPARSE_ALGO", "auto", ("auto", "allgather", "tree")),
+            nonfinite=_choice("STELLA_NONFINITE", "skip", ("skip", "raise", "off")),
             wan_pace_bps=_non_negative("STELLA_WAN_PACE_BPS"),
             wan_pace_delay_s=_non_negative("STELLA_WAN_PACE_DELAY_S"),
         )

@@ -28,6 +28,12 @@ class TensorMismatchError(CollectiveRefused, ValueError):
     """Ranks submitted different collectives (name, shape, dtype or op) at the same point."""
 
 
+class NonFiniteGradientError(CollectiveRefused, ValueError):
+    """A rank's gradient held NaN or Inf: the collective was refused on every rank alike before
+    any data moved (the policy ``STELLA_NONFINITE=raise``, or a sparse allreduce outside the
+    optimizer); the ranks are still in step."""
+
+
 class StellaTimeoutError(HorovodInternalError, TimeoutError):
     """A wait passed its deadline (``STELLA_TIMEOUT``)."""
 

@@ -32,10 +32,12 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from ..base.errors import CollectiveRefused, HorovodInternalError, StellaTimeoutError, TensorMismatchError
+from ..base.errors import (CollectiveRefused, HorovodInternalError, NonFiniteGradientError, StellaTimeoutError,
+                           TensorMismatchError)
 from ..comm.abort import end_job, record_status
 from ..comm.messages import allgather_json
 from .executors import neutral_inputs
+from .nonfinite import has_nonfinite
 
 _NEUTRAL = np.iinfo(np.int64).min
 _HASH_MASK = (1 << 62) - 1
@@ -43,9 +45,9 @@ JOINABLE = ("allreduce", "barrier")  # as in Horovod: joined ranks contribute ze
 
 
 class Op:
-    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle")
+    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle", "finite")
 
-    def __init__(self, kind, name, desc, inputs, execute, pset):
+    def __init__(self, kind, name, desc, inputs, execute, pset, finite=None):
         self.kind = kind            # "allreduce", "allgather", ...: picks the neutral input for join
         self.name = name
         self.desc = desc            # JSON-able; equal on every rank of pset
@@ -53,6 +55,7 @@ class Op:
         self.execute = execute      # execute(pset, desc, inputs, joined) -> result
         self.pset = pset
         self.handle = None
+        self.finite = finite        # tensors that must hold no NaN/Inf on any rank (gradients), or None
 
 
 class Handle:
@@ -166,7 +169,8 @@ class CollectiveThread:
                 if op.kind == "join":
                     op.handle.result = self._join(op)
                 else:
-                    joined = self._agree(op.pset, op.desc)
+                    nonfinite = None if op.finite is None else has_nonfinite(op.finite)
+                    joined = self._agree(op.pset, op.desc, nonfinite)
                     op.handle.result = op.execute(op.pset, op.desc, op.inputs, joined)
             except CollectiveRefused as e:
                 op.handle.error = e          # raised on every rank alike: the ranks are still in step
@@ -217,28 +221,40 @@ class CollectiveThread:
         return h
 
     def _round(self, pset, vec, what):
-        out = np.empty(5, dtype=np.int64)
+        out = np.empty(6, dtype=np.int64)
         pset.deadline.wait(pset.comms.comm.Iallreduce(vec, out, op=MPI.MAX), what)
         return out
 
-    def _agree(self, pset, desc):
-        """Check that every rank of ``pset`` runs the same collective. Returns the number
-        of joined ranks taking part with neutral inputs."""
-        if not self.config.check_collectives:
+    def _agree(self, pset, desc, nonfinite=None):
+        """Check that every rank of ``pset`` runs the same collective, and (``nonfinite`` not
+        None: whether this rank's gradients hold NaN/Inf) that no rank's input is non-finite.
+        Returns the number of joined ranks taking part with neutral inputs.
+
+        The round's vector (MAX over the ranks): the description's hash and its negation
+        (equal hashes iff max(h) == -max(-h)), joined, active, the rank that joined last, and
+        1 + the highest rank with a non-finite input (0: none)."""
+        check = self.config.check_collectives
+        if not check and nonfinite is None:
             return 0
         t0 = time.perf_counter()
-        h = self._hash(desc)
-        res = self._round(pset, np.array([h, -h, 0, 1, -1], dtype=np.int64), "agreement on " + describe(desc))
+        h = self._hash(desc) if check else 0
+        res = self._round(pset, np.array([h, -h, 0, 1, -1, self.rank + 1 if nonfinite else 0], dtype=np.int64),
+                          "agreement on " + describe(desc))
         self.checks += 1
         self.check_seconds += time.perf_counter() - t0
         mismatch = res[0] != -res[1]
         if res[4] >= 0:
             self._last_joined = int(res[4])
-        if not mismatch and res[2] == 0:
-            return 0
-        descs = allgather_json(pset.comms.comm, desc, pset.deadline, "collective descriptions")
+        descs = None
+        if mismatch or res[2] != 0:
+            descs = allgather_json(pset.comms.comm, desc, pset.deadline, "collective descriptions")
         if mismatch:
             raise self._mismatch_error(pset, descs)
+        if res[5] > 0:
+            raise NonFiniteGradientError("rank %d: a non-finite gradient (NaN or Inf) on rank %d in %s; refused on "
+                                         "every rank" % (self.rank, res[5] - 1, describe(desc)))
+        if descs is None:
+            return 0
         joined = sum(1 for d in descs if d is None)
         if joined and desc["kind"] not in JOINABLE:
             raise CollectiveRefused("%s is not supported while %d rank(s) have joined (hvd.join); "
@@ -257,7 +273,7 @@ class CollectiveThread:
         pset = op.pset
         first = True
         while True:
-            vec = np.array([_NEUTRAL, _NEUTRAL, 1, 0, self.rank if first else -1], dtype=np.int64)
+            vec = np.array([_NEUTRAL, _NEUTRAL, 1, 0, self.rank if first else -1, 0], dtype=np.int64)
             res = self._round(pset, vec, "join")
             first = False
             if res[4] >= 0:
@@ -268,6 +284,8 @@ class CollectiveThread:
             active = [d for d in descs if d is not None]
             if len({json.dumps(d, sort_keys=True) for d in active}) > 1:
                 continue  # the active ranks disagree: they raise TensorMismatchError; nothing moves
+            if res[5] > 0:
+                continue  # an active rank's input is not finite: they refuse it alike; nothing moves
             desc = active[0]
             if desc["kind"] not in JOINABLE:
                 continue  # the active ranks refuse it alike

@@ -8,7 +8,8 @@ totals since ``init()``.
 import threading
 
 COUNTERS = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "select_s", "encode_s", "exchange_s",
-            "decode_s", "merge_s", "elements", "entries_sent", "engine_s")
+            "decode_s", "merge_s", "elements", "entries_sent", "engine_s",
+            "skipped_nonfinite")   # steps (or CPU-engine bucket updates) skipped for a NaN/Inf gradient
 
 
 class WanStats:

@@ -35,7 +35,7 @@ from .._native.pool import CpuPool
 from ..adjust.session import AdjustedOptimizer, adjust_session
 from ..api.allgather import allgather
 from ..api.handles import synchronize
-from ..base.errors import HorovodInternalError
+from ..base.errors import HorovodInternalError, NonFiniteGradientError
 from ..comm.buffers import split_counts
 from ..comm.sparse_exchange import sparse_reduce
 from ..compression import Memory
@@ -216,7 +216,12 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 raise HorovodInternalError("CPU engine: the update of step %d for bucket %d was never launched"
                                            % (s, bucket.index))
             t0 = time.perf_counter()
-            synchronize(handle)
+            try:
+                synchronize(handle)
+            except NonFiniteGradientError as e:
+                bucket.applied = s   # nothing was updated or staged: the parameters stay as they are
+                self._nonfinite(bucket, s, e)
+                continue
             t1 = time.perf_counter()
             if self._adjust is not None:
                 self._adjust.idle(t1 - t0)
@@ -225,6 +230,16 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             bucket.times["wait_s"] += t1 - t0
             bucket.times["copy_s"] += time.perf_counter() - t1
             bucket.predicted_in_model = self._predicted_at(bucket, s)
+
+    def _nonfinite(self, bucket, step, error):
+        """The update of ``bucket`` at ``step`` was refused on every rank (a NaN/Inf gradient):
+        it is skipped (the master, the optimizer state and the residual never saw the values),
+        or with ``STELLA_NONFINITE=raise`` the error is raised."""
+        if state.current().config.nonfinite == "raise":
+            raise error
+        state.current().wan_stats.add(skipped_nonfinite=1)
+        log.warning("stella_mpi: the update of step %d skipped on every rank for %s: %s", step,
+                    bucket.name("cpu_engine.bucket", self._names), str(error).split(": ", 1)[-1])
 
     # -------- launching
 
@@ -270,8 +285,9 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         predict = self._predicted_at(bucket, step)
         desc["predict"] = predict
         inputs = (grad, bucket, self._compression, self._memory, self._pool, lr, self._semantics == "exact", predict)
+        finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
-                                                              execute_cpu_update, self._process_set))
+                                                              execute_cpu_update, self._process_set, finite))
 
     # -------- Horovod's optimizer API
 

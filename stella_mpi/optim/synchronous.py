@@ -1,6 +1,7 @@
 """The synchronous DistributedOptimizer (Horovod's semantics): gradients averaged over all
 ranks, in fused buckets reduced in the background while backward goes on, then the user's own
 optimizer steps. A sparse compressor takes the cross-cluster hop of each bucket."""
+import logging
 import time
 import warnings
 from contextlib import contextmanager
@@ -8,11 +9,14 @@ from contextlib import contextmanager
 import torch
 
 from ..adjust.session import AdjustedOptimizer, adjust_session
-from ..api.allreduce import grouped_allreduce_async_, sparse_allreduce_async
+from ..api.allreduce import allreduce_tensors_async, inplace_outputs, sparse_allreduce_async
 from ..api.handles import synchronize
 from ..api.reduce_ops import Average, Max, Min, Product, Sum, op_name
+from ..base.errors import NonFiniteGradientError
 from ..compression import Compression, Memory
 from ..core import state
+
+log = logging.getLogger("stella_mpi")
 from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
 
 
@@ -53,6 +57,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         else:
             planned = plan_by_groups(self._params, groups)
         self._passes = {p: backward_passes_per_step for p in self._params}
+        self._skip_step = False   # the reduced gradients of this step held NaN/Inf somewhere: no update
         self._synchronized = False
         self._should_synchronize = True
         hooked = self._params if process_set.included() and state.current().size > 1 else []
@@ -99,9 +104,8 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         pairs = [compression.compress(g) for g in grads]
         tensors = [c.contiguous() for c, _ in pairs]
         bucket.compressed = list(zip(tensors, [ctx for _, ctx in pairs]))
-        bucket.handle = grouped_allreduce_async_(
-            tensors, name=name, op=self._op, prescale_factor=prescale, postscale_factor=postscale,
-            process_set=self._process_set)
+        bucket.handle = allreduce_tensors_async(tensors, inplace_outputs, name, self._op, prescale, postscale,
+                                                self._process_set, "grouped_allreduce", gradients=True)
 
     # ---------------- Horovod's optimizer API ----------------
 
@@ -113,24 +117,48 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         if self._adjust is not None:
             self._adjust.enter()
         self._launch_remaining()
+        refused = []
         for bucket in self._buckets:
             if bucket.handle is not None:
                 t0 = time.perf_counter()
-                synchronize(bucket.handle)
+                try:
+                    synchronize(bucket.handle)
+                except NonFiniteGradientError as e:
+                    refused.append((bucket, e))
+                else:
+                    for p, (c, ctx) in zip(bucket.params, bucket.compressed):
+                        out = c if ctx is None else self._compression.decompress(c, ctx)
+                        if out is not p.grad:
+                            p.grad.copy_(out)
                 if self._adjust is not None:
                     self._adjust.idle(time.perf_counter() - t0)
-                for p, (c, ctx) in zip(bucket.params, bucket.compressed):
-                    out = c if ctx is None else self._compression.decompress(c, ctx)
-                    if out is not p.grad:
-                        p.grad.copy_(out)
             bucket.handle = None
             bucket.compressed = None
         self._start_step()
         for p in self._params:
             self._passes[p] = self.backward_passes_per_step
         self._step_count += 1
-        state.current().wan_stats.end_step()
+        rt = state.current()
+        skip = bool(refused) and rt.config.nonfinite == "skip"
+        if skip:
+            self._skip_step = True
+            rt.wan_stats.add(skipped_nonfinite=1)
+        rt.wan_stats.end_step()
         self._synchronized = True
+        if refused:
+            self._nonfinite(refused, skip)
+
+    def _nonfinite(self, refused, skip):
+        """A gradient held NaN/Inf on some rank: the same on every rank, the step is skipped (the
+        buckets refused moved nothing, so no residual saw the values) or, with
+        ``STELLA_NONFINITE=raise``, the error is raised (the optimizer stays usable)."""
+        first = refused[0][1]
+        if not skip:
+            raise first
+        mine = [self._names[p] for bucket, _ in refused for p in bucket.params
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        log.warning("stella_mpi: step %d skipped on every rank: %s%s", self._step_count - 1,
+                    str(first).split(": ", 1)[-1], "; on this rank: %s" % ", ".join(mine) if mine else "")
 
     @contextmanager
     def skip_synchronize(self):
@@ -150,10 +178,11 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                               "your code.")
             self.synchronize()
         self._synchronized = False
+        skip, self._skip_step = self._skip_step, False
         if self._adjust is None:
-            return super().step(closure)
+            return None if skip else super().step(closure)
         t0 = time.perf_counter()
-        loss = super().step(closure)
+        loss = None if skip else super().step(closure)
         self._adjust.optimizer_time(time.perf_counter() - t0)
         decision = self._adjust.end_step(self._step_count, self.backward_passes_per_step)
         if decision is not None:
