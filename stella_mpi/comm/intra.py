@@ -5,8 +5,9 @@ Two interchangeable backends over the same cluster membership:
 * ``MpiIntra``: MPI non-blocking collectives on the cluster communicator;
 * ``TorchIntra``: a torch.distributed process group (gloo for CPU tensors,
   NCCL for CUDA tensors) created without any address or port from the user:
-  the cluster leader opens a TCPStore on a free port and the address travels
-  to the other members over MPI.
+  the cluster leader opens a TCPStore on a free port of the one address the
+  members reach it on (loopback when the cluster is one host; never every
+  interface), and the address travels to the other members over MPI.
 
 All methods take flat, contiguous tensors in the reduction dtype (see
 ``hierarchy.compute_dtype``) and return only when the data is in place.
@@ -107,7 +108,18 @@ class TorchIntra:
         host = _store_host(one_node, ifname) if self.rank == 0 else None
         store = None
         if self.rank == 0:
-            store = dist.TCPStore(host, 0, self.size, True, timeout=timeout, wait_for_workers=False)
+            # the store listens on a socket of ours, bound to that address only (torch's own
+            # would listen on every address of the machine); the store owns it from then on
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind((host, 0))
+                listener.listen(128)
+                port = listener.getsockname()[1]
+            except OSError:
+                listener.close()
+                raise
+            store = dist.TCPStore(host, port, self.size, True, timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())
             addr = (host, store.port)
         else:
             addr = None

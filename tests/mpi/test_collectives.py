@@ -275,3 +275,31 @@ def test_join_refuses_other_collectives_alike():
     assert 1 <= last < hvd.size()
     everyone = hvd.allgather(torch.tensor([last]))
     assert everyone.eq(last).all()
+
+
+def _listening(port):
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            addr, hexport = fields[1].split(":")
+            if int(hexport, 16) == port and fields[3] == "0A":
+                out.append(addr)
+    return out
+
+
+def test_the_gloo_store_listens_on_one_address_only():
+    intra = hvd.global_process_set.intra
+    if intra.name != "gloo" or hvd.cluster_rank() != 0:
+        pytest.skip("this rank leads no gloo group")
+    port = intra.store.port
+    addrs = _listening(port)
+    assert addrs, "nothing listens on the store's port %d" % port
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert not set(addrs) & wildcard, "the gloo store listens on every address: %s" % addrs
