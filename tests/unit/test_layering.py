@@ -247,3 +247,11 @@ def test_every_variable_the_launcher_names_is_read_by_the_config(monkeypatch):
     assert "GLOO_SOCKET_IFNAME" in env.asked
     unknown = sorted(named - env.asked - set(cli.JOB_INFO_ENV))
     assert not unknown, "stellarun names %s, which stella_mpi.base.config never reads" % unknown
+
+
+def test_nothing_from_a_peer_is_unpickled_outside_the_object_helpers():
+    """pickle (and its relatives) only in api/functions.py: broadcast_object and allgather_object,
+    which are documented as for trusted jobs."""
+    users = sorted(name for name, path in MODULES.items()
+                   if {"pickle", "cloudpickle", "dill", "marshal", "shelve"} & _third_party(path))
+    assert users == ["stella_mpi.api.functions"], users
