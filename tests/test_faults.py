@@ -86,3 +86,12 @@ def test_a_failed_collective_never_returns_data(mode):
     assert "injected transport failure" in out and "rank 1:" in out, out[-3000:]
     assert "got a result after its collective failed" not in out, out[-3000:]
     assert "finished without noticing" not in out
+
+
+def test_a_terminated_rank_names_itself():
+    """Under plain mpirun hydra's report may name another pid: the rank says it was terminated."""
+    proc, elapsed = _launch("term")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) received SIGTERM", out), out[-3000:]

@@ -13,6 +13,7 @@ import atexit
 import itertools
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -170,10 +171,29 @@ def _abort_on_uncaught(exc_type, exc, tb):
             end_job("stella_mpi: rank %d: uncaught %s: %s" % (rank, exc_type.__name__, exc), cause="exception")
 
 
+def _end_on_signal(signum, frame):
+    """SIGTERM/SIGHUP on one rank (a scheduler, a revoked host, a user) end the job everywhere,
+    naming this rank: under plain mpirun nobody else would (hydra's report may name another pid)."""
+    end_job("stella_mpi: %s received %s; ending the job on every rank"
+            % (diagnosis.describe_rank(MPI.COMM_WORLD.Get_rank()), signal.Signals(signum).name), cause="signal")
+
+
+def _install_handlers():
+    """The excepthook and the termination signals' handlers (where the program has not set its own)."""
+    global _prev_excepthook
+    if _prev_excepthook is None:
+        _prev_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(s) == signal.SIG_DFL:
+                signal.signal(s, _end_on_signal)
+
+
 def init(comm=None, process_sets=None):
     """Start stella_mpi (idempotent). ``comm``: an mpi4py communicator or a list of world
     ranks to run on (default: all); ``process_sets``: ProcessSets to register now."""
-    global _runtime, _prev_excepthook
+    global _runtime
     with _lock:
         if _runtime is not None:
             for ps in process_sets or []:
@@ -188,9 +208,7 @@ def init(comm=None, process_sets=None):
             # a rank never came: the job cannot start, and MPI cannot finalize cleanly either
             end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank"
                     % (e, MPI.COMM_WORLD.Get_rank()), cause="deadline")
-        if _prev_excepthook is None:
-            _prev_excepthook = sys.excepthook
-            sys.excepthook = _abort_on_uncaught
+        _install_handlers()
 
 
 def shutdown():

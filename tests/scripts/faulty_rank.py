@@ -66,6 +66,8 @@ if hvd.rank() == 1:
         os._exit(3)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     if mode == "stall":
         time.sleep(120)
 for step in range(1000):
