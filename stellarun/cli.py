@@ -174,6 +174,7 @@ def run_job(args, command_for, setup=None, teardown=None):
     # handlers first: a Ctrl-C while the emulation is built must not skip its removal
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     rc = None
+    stopped = None   # ranks found stopped when the first failure was recorded
     try:
         if setup is not None:
             setup()
@@ -182,9 +183,11 @@ def run_job(args, command_for, setup=None, teardown=None):
             proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)   # mpirun goes if stellarun is killed
         while proc is not None:
             try:
-                rc = proc.wait(timeout=0.5)
+                rc = proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
+                if stopped is None and any(n.startswith("rank") for n in os.listdir(status_dir)):
+                    stopped = status.stopped_ranks(status_dir)   # a frozen rank is why others time out
                 # mpirun waits for ranks that ignore the signal: after a grace period, kill them
                 if signalled and time.monotonic() - signalled[0][0] > SIGNAL_GRACE_S:
                     print("stellarun: ranks still running %.0f s after the signal; killing them" % SIGNAL_GRACE_S,
@@ -211,6 +214,9 @@ def run_job(args, command_for, setup=None, teardown=None):
     line, code = status.report(records)
     if line:
         print("stellarun: " + line, flush=True)
+    for rec in stopped or []:
+        print("stellarun: when it failed, rank %d (host %s, pid %d) was stopped (SIGSTOP or a debugger)"
+              % (rec["rank"], rec["host"], rec["pid"]), flush=True)
     if code:
         return code
     if rc:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from .status import record
+from .status import record, record_start
 
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -49,6 +49,7 @@ def main(argv=None):
     if os.getppid() != parent:   # the parent went before the request took effect
         return 1
     child = subprocess.Popen(cmd, close_fds=False, preexec_fn=die_with_parent)
+    record_start(os.environ.get("STELLA_STATUS_DIR", ""), int(os.environ.get("PMI_RANK", "-1") or -1), child.pid)
     for s in FORWARDED:
         signal.signal(s, lambda signum, frame: child.send_signal(signum))
     rc = child.wait()

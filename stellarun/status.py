@@ -35,6 +35,34 @@ def record(directory, rank, cause, detail, pid=None):
         json.dump(rec, f)
 
 
+def record_start(directory, rank, pid):
+    """Note which process runs ``rank`` (``started<r>.json``), so stellarun can look at it."""
+    if not directory:
+        return
+    with open(os.path.join(directory, "started%d.json" % rank), "w") as f:
+        json.dump({"rank": rank, "host": socket.gethostname(), "pid": pid}, f)
+
+
+def stopped_ranks(directory):
+    """The ranks of this host whose process is stopped now (SIGSTOP, a debugger): [record]."""
+    out = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if not (name.startswith("started") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                rec = json.load(f)
+            if rec.get("host") != socket.gethostname():
+                continue
+            with open("/proc/%d/stat" % int(rec["pid"])) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if state in ("T", "t"):
+            out.append(rec)
+    return out
+
+
 def read_all(directory):
     """Every well-formed record, earliest first."""
     out = []

@@ -107,7 +107,7 @@ def trial(i, rng, launcher, fault, path, steps, use_wan):
     if fault_at is not None and since_fault > TIMEOUT + 10:
         hung = True
     named = fault_at is not None and bool(
-        ("PID %d " % pid) in out or re.search(r"rank %d\b[^\n]*(never came|did not answer|failed first|uncaught|received SIG)"
+        ("PID %d " % pid) in out or re.search(r"rank %d\b[^\n]*(never came|did not answer|failed first|uncaught|received SIG|was stopped)"
                                               % target, out)
         or re.search(r"rank %d \(host [^)]*\) failed first" % target, out))
     wrong = "WRONG RESULT" in out

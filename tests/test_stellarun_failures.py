@@ -1,6 +1,7 @@
 """stellarun under failure: the first failed rank named with its cause, one exit code per kind
 of failure, MPICH's files of the job removed, and the job gone when stellarun is killed."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def test_the_first_failure_is_reported_with_its_own_exit_code(mode, code, says):
     report = [ln for ln in out.splitlines() if "failed first:" in ln]
     assert len(report) == 1 and says in report[0], out[-3000:]
     assert not _leftovers_now() - before, "MPICH files left: %s" % sorted(_leftovers_now() - before)
+
+
+def test_a_rank_frozen_at_start_up_is_named():
+    """Before MPI_Init nobody can ask where a rank is; stellarun looks at the processes."""
+    proc = _stellarun("-np", "3", sys.executable, "tests/scripts/faulty_rank.py", "stop_at_start")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 12, out[-3000:]
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) was stopped", out), out[-3000:]
 
 
 def test_a_job_that_succeeds_exits_0():

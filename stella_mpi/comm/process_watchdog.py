@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import sys
+import time
 
 from ..base.config import launcher_rank_setting, timeout_setting
 from .abort import record_status
@@ -38,6 +39,7 @@ def watch(timeout, message, rank):
             if not ready:
                 os.write(2, message.encode(errors="replace"))
                 record_status("deadline", message.strip(), rank=rank)
+                time.sleep(1.0)   # the launcher may look at the job before it is torn down
                 os.kill(parent, signal.SIGKILL)
         finally:
             os._exit(0)

@@ -178,16 +178,20 @@ def _end_on_signal(signum, frame):
             % (diagnosis.describe_rank(MPI.COMM_WORLD.Get_rank()), signal.Signals(signum).name), cause="signal")
 
 
-def _install_handlers():
-    """The excepthook and the termination signals' handlers (where the program has not set its own)."""
-    global _prev_excepthook
-    if _prev_excepthook is None:
-        _prev_excepthook = sys.excepthook
-        sys.excepthook = _abort_on_uncaught
+def _install_signal_handlers():
+    """From ``import stella_mpi`` on (start-up is when schedulers and users often strike), where
+    the program has not set its own handlers (a handler it sets later replaces these)."""
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(s) == signal.SIG_DFL:
                 signal.signal(s, _end_on_signal)
+
+
+def _install_excepthook():
+    global _prev_excepthook
+    if _prev_excepthook is None:
+        _prev_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
 
 
 def init(comm=None, process_sets=None):
@@ -208,7 +212,7 @@ def init(comm=None, process_sets=None):
             # a rank never came: the job cannot start, and MPI cannot finalize cleanly either
             end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank"
                     % (e, MPI.COMM_WORLD.Get_rank()), cause="deadline")
-        _install_handlers()
+        _install_excepthook()
 
 
 def shutdown():
@@ -233,3 +237,4 @@ def _at_exit():
 
 
 atexit.register(_at_exit)
+_install_signal_handlers()

@@ -10,6 +10,8 @@ import torch
 mode = sys.argv[1]
 if mode == "late_import" and os.environ.get("PMI_RANK") == "1":
     time.sleep(120)            # never reaches MPI_Init in time
+if mode == "stop_at_start" and os.environ.get("PMI_RANK") == "1":
+    os.kill(os.getpid(), signal.SIGSTOP)   # frozen before MPI_Init
 import stella_mpi as hvd  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
