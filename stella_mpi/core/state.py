@@ -1,6 +1,6 @@
 """Process-wide state: the one :class:`Runtime` object that ``init()`` creates and
-``shutdown()`` drops, and the ``excepthook`` that ends the job when a rank dies of an
-uncaught exception.
+``shutdown()`` drops; and what ends the job when a rank goes: the ``excepthook`` (an uncaught
+exception), the SIGTERM/SIGHUP handlers, and the deadline of MPI_Finalize armed at exit.
 
 Everything a run accumulates lives in the Runtime: the settings, the world communicator,
 the registered process sets, the collective thread with its handles, the cross-cluster
@@ -21,10 +21,10 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from ..base.config import Config
+from ..base.config import Config, timeout_setting
 from ..base.errors import NotInitializedError, StellaTimeoutError
 from ..comm import diagnosis
-from ..comm.abort import end_job
+from ..comm.abort import end_job, this_rank
 from ..comm.deadline import Deadline
 from ..comm.messages import allgather_json
 from ..comm.pacing import Pacer
@@ -175,7 +175,7 @@ def _end_on_signal(signum, frame):
     """SIGTERM/SIGHUP on one rank (a scheduler, a revoked host, a user) end the job everywhere,
     naming this rank: under plain mpirun nobody else would (hydra's report may name another pid)."""
     end_job("stella_mpi: %s received %s; ending the job on every rank"
-            % (diagnosis.describe_rank(MPI.COMM_WORLD.Get_rank()), signal.Signals(signum).name), cause="signal")
+            % (diagnosis.describe_rank(this_rank()), signal.Signals(signum).name), cause="signal")
 
 
 def _install_signal_handlers():
@@ -231,9 +231,18 @@ def world_ranks(comm, ranks):
 
 
 def _at_exit():
+    """At the end of the program: shut down, then meet the other ranks with the deadline before
+    MPI_Finalize (which would wait for a frozen peer without one, and name nobody), and give
+    MPI_Finalize itself a deadline."""
     shutdown()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        guard_exit(MPI.COMM_WORLD.Get_rank())   # MPI_Finalize comes next: it gets a deadline too
+        world = MPI.COMM_WORLD
+        try:
+            Deadline(timeout_setting(), world.Get_rank()).wait(world.Ibarrier(), "the end of the program")
+        except StellaTimeoutError as e:
+            end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank" % (e, world.Get_rank()),
+                    cause="deadline")
+        guard_exit(world.Get_rank())   # MPI_Finalize comes next: it gets a deadline too
 
 
 atexit.register(_at_exit)
