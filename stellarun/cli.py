@@ -33,6 +33,7 @@ and topology files MPICH leaves behind (``stellarun --clean`` removes those of a
 """
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,17 @@ import time
 from . import leftovers, shaping, status
 from .rank import die_with_parent
 from .wan import WanEmulation, namespaces_available, reap_stale
+
+
+class UsageError(SystemExit):
+    """A usage error: stellarun says what is wrong and exits with 2 (as argparse does)."""
+
+    def __init__(self, message):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 
 def find_mpirun():
@@ -88,7 +100,9 @@ def build_wan_command(args, emu, status_dir):
     """MPMD mpirun command: cluster c's ranks start inside namespace c."""
     sizes = cluster_sizes(args.np, args.clusters or 2)
     cmd = [args.mpirun or find_mpirun()]
-    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan)), "STELLA_STATUS_DIR": status_dir}
+    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan))}
+    if status_dir:
+        env["STELLA_STATUS_DIR"] = status_dir
     if args.timeout:
         env["STELLA_TIMEOUT"] = str(args.timeout)
     if emu is not None:
@@ -119,19 +133,19 @@ def build_wan_command(args, emu, status_dir):
 def run_with_wan(args):
     """Set up the emulated WAN, run the job under it, and always tear it down."""
     if not args.np:
-        raise SystemExit("stellarun: give the number of ranks with -np N")
+        raise UsageError("stellarun: give the number of ranks with -np N")
     clusters = args.clusters or 2
     if clusters < 2 or clusters > args.np:
-        raise SystemExit("stellarun: --wan needs 2 or more clusters and at most one per rank")
+        raise UsageError("stellarun: --wan needs 2 or more clusters and at most one per rank")
     if not args.command:
-        raise SystemExit("stellarun: no command to run")
+        raise UsageError("stellarun: no command to run")
     rate, schedule, delay = args.wan, args.wan_schedule or [], args.wan_delay
     ok, why = namespaces_available()
     emu = None
     if ok:
         emu = WanEmulation(clusters, rate, schedule, delay_s=delay)
     elif schedule:
-        raise SystemExit("stellarun: --wan-schedule needs network namespaces (%s)" % why)
+        raise UsageError("stellarun: --wan-schedule needs network namespaces (%s)" % why)
 
     def setup():
         if emu is not None:
@@ -154,69 +168,103 @@ def run_with_wan(args):
     return run_job(args, lambda status_dir: build_wan_command(args, emu, status_dir), setup, teardown)
 
 
+def _in_terminal_foreground():
+    """Whether stellarun's process group is its terminal's foreground group: a Ctrl-C there
+    reaches mpirun directly too (hydra takes a second SIGINT as "abort by force")."""
+    for fd in (0, 1, 2):
+        try:
+            return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
 def run_job(args, command_for, setup=None, teardown=None):
     """Run mpirun (``command_for(status_dir)``) supervised: signals forwarded, ranks killed
     SIGNAL_GRACE_S after a signal they ignore, mpirun killed with stellarun, MPICH's leftovers
-    removed, the first failed rank reported. Returns stellarun's exit code."""
+    removed, the first failed rank reported. Returns stellarun's exit code.
+
+    The report covers the ranks of this host: the status directory is made here (on other
+    hosts the rank supervisors find none and record nothing)."""
     if args.dry_run:
-        print(" ".join(command_for(os.path.join(tempfile.gettempdir(), "stellarun-status-XXXX"))))
+        print(shlex.join(command_for("")))
         return 0
-    status_dir = tempfile.mkdtemp(prefix="stellarun-status-")
+    try:
+        status_dir = tempfile.mkdtemp(prefix=status.DIR_PREFIX)
+        status.write_owner(status_dir)
+    except OSError as e:
+        print("stellarun: no status directory (%s): the job runs without a failure report" % e, flush=True)
+        status_dir = ""
     cmd = command_for(status_dir)
     started = time.time()
     proc = None
     signalled = []
+    seen_files = set()   # MPICH's files the job's processes had open or mapped
 
     def forward(signum, frame):
-        signalled.append((time.monotonic(), signum))
+        signalled.append((time.monotonic(), time.time(), signum))
+        if signum == signal.SIGINT and _in_terminal_foreground():
+            return   # the terminal sent it to mpirun as well
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
-    # handlers first: a Ctrl-C while the emulation is built must not skip its removal
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # handlers first: a Ctrl-C while the emulation is built must not skip its removal; a signal the
+    # caller ignores (nohup) stays ignored, and mpirun inherits that
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+           if signal.getsignal(s) != signal.SIG_IGN}
     rc = None
     stopped = None   # ranks found stopped when the first failure was recorded
+    polls = 0
+    records, removed = [], []
     try:
-        if setup is not None:
-            setup()
-        if not signalled:
-            sys.stdout.flush()
-            proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)   # mpirun goes if stellarun is killed
-        while proc is not None:
-            try:
-                rc = proc.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                if stopped is None and any(n.startswith("rank") for n in os.listdir(status_dir)):
-                    stopped = status.stopped_ranks(status_dir)   # a frozen rank is why others time out
-                # mpirun waits for ranks that ignore the signal: after a grace period, kill them
-                if signalled and time.monotonic() - signalled[0][0] > SIGNAL_GRACE_S:
-                    print("stellarun: ranks still running %.0f s after the signal; killing them" % SIGNAL_GRACE_S,
-                          flush=True)
-                    break
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
         try:
+            if setup is not None:
+                setup()
+            if not signalled:
+                sys.stdout.flush()
+                parent = os.getpid()
+                proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(expect_parent=parent))
+            while proc is not None:
+                try:
+                    rc = proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    polls += 1
+                    if polls % 10 == 1:
+                        seen_files |= leftovers.used_by_descendants(proc.pid)
+                    if stopped is None and status_dir and status.any_record(status_dir):
+                        stopped = status.stopped_ranks(status_dir)   # a frozen rank is why others time out
+                    # mpirun waits for ranks that ignore the signal: after a grace period, kill them
+                    if signalled and time.monotonic() - signalled[0][0] > SIGNAL_GRACE_S:
+                        print("stellarun: ranks still running %.0f s after the signal; killing them"
+                              % SIGNAL_GRACE_S, flush=True)
+                        break
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
             if teardown is not None:
                 teardown()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            removed = leftovers.remove_after_job(since=started - 1)
+    finally:
+        removed = leftovers.remove_after_job(seen_files, since=started - 1)
+        if status_dir:
             records = status.read_all(status_dir)
             shutil.rmtree(status_dir, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
     if removed:
         print("stellarun: removed %d file(s) MPICH left behind (%s)" % (len(removed), ", ".join(removed)), flush=True)
-    if signalled:   # what the ranks recorded then is the signal's doing, not a failure
-        print("stellarun: stopped by %s; the job was stopped" % signal.Signals(signalled[0][1]).name, flush=True)
-        return 128 + signalled[0][1]
+    if signalled:
+        # what the ranks recorded after the signal is the signal's doing, not a failure
+        records = [r for r in records if r["time"] < signalled[0][1]]
     line, code = status.report(records)
     if line:
         print("stellarun: " + line, flush=True)
     for rec in stopped or []:
         print("stellarun: when it failed, rank %d (host %s, pid %d) was stopped (SIGSTOP or a debugger)"
               % (rec["rank"], rec["host"], rec["pid"]), flush=True)
+    if signalled:
+        print("stellarun: stopped by %s; the job was stopped" % signal.Signals(signalled[0][2]).name, flush=True)
+        return 128 + signalled[0][2]
     if code:
         return code
     if rc:
@@ -230,21 +278,23 @@ def build_command(args, status_dir):
     cmd = [args.mpirun or find_mpirun()]
     np_ = args.np or int(os.environ.get("SLURM_NTASKS", "0") or 0)
     if np_ <= 0:
-        raise SystemExit("stellarun: give the number of ranks with -np N")
+        raise UsageError("stellarun: give the number of ranks with -np N")
     cmd += ["-np", str(np_)]
     if args.hostfile:
         cmd += ["-f", args.hostfile]
-    env = {"PYTHONUNBUFFERED": "1", "STELLA_STATUS_DIR": status_dir}
+    env = {"PYTHONUNBUFFERED": "1"}
+    if status_dir:
+        env["STELLA_STATUS_DIR"] = status_dir
     if args.clusters:
         if args.clusters > np_:
-            raise SystemExit("stellarun: --clusters %d is more than the %d ranks" % (args.clusters, np_))
+            raise UsageError("stellarun: --clusters %d is more than the %d ranks" % (args.clusters, np_))
         env["STELLA_CLUSTERS"] = str(args.clusters)
     if args.cluster_of:
         mapping = {}
         for item in args.cluster_of:
             host, sep, label = item.partition("=")
             if not sep or not host or not label:
-                raise SystemExit("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
+                raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
             mapping[host] = label
         env["STELLA_CLUSTER_MAP"] = ",".join("%s=%s" % kv for kv in sorted(mapping.items()))
     if args.timeout:
@@ -253,7 +303,7 @@ def build_command(args, status_dir):
         cmd += ["-genv", k, v]
     cmd += list(args.mpi_args or [])
     if not args.command:
-        raise SystemExit("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
+        raise UsageError("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
     return cmd + supervised(args.command)
 
 
@@ -292,6 +342,14 @@ def parse(argv):
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except UsageError as e:
+        sys.stderr.write(e.message + "\n")
+        return 2
+
+
+def _main(argv):
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.clean:
         removed = leftovers.remove_unused()
@@ -300,7 +358,7 @@ def main(argv=None):
     if args.wan:
         return run_with_wan(args)
     if args.wan_schedule or args.wan_delay:
-        raise SystemExit("stellarun: --wan-schedule and --wan-delay need --wan RATE")
+        raise UsageError("stellarun: --wan-schedule and --wan-delay need --wan RATE")
     build_command(args, "")   # usage errors before anything starts
     return run_job(args, lambda status_dir: build_command(args, status_dir))
 

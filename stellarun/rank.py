@@ -4,11 +4,15 @@ mpirun starts this small process in place of each rank; it runs the rank's comma
 and, when the child ends abnormally, records how (signal or exit code) in ``STELLA_STATUS_DIR``
 for stellarun's report. stella_mpi itself records the richer causes it knows (an uncaught
 exception, a failed collective, a passed deadline) before it ends a job; the first record of a
-rank wins. The supervisor forwards the signals it gets to the rank, ends with the rank's own
-status (so mpirun sees the same failure), and dies with its parent: if mpirun's proxy goes, the
-supervisor and the rank go too, so a killed launcher leaves nothing running."""
+rank wins. The supervisor forwards the signals it gets to the rank (which runs in a process
+group of its own, so that a signal to the supervisor's group does not reach it twice), ends with
+the rank's own status (so mpirun sees the same failure), and dies with its parent: if mpirun's
+proxy goes, the supervisor and the rank go too, so a killed launcher leaves nothing running.
+Nothing here may stop the rank from running: a status directory that does not exist on this
+host (a multi-host job: it is made on the launching host) only means no record."""
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -17,14 +21,29 @@ from .status import record, record_start
 
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")   # as stella_mpi.base.config reads them
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up once: the forked child only calls it
+except (OSError, AttributeError):
+    _prctl = None
 
 
-def die_with_parent(sig=signal.SIGKILL):
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; else nothing)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+def die_with_parent(expect_parent=None):
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; else nothing). With
+    ``expect_parent`` (in a child between fork and exec): if that parent is already gone, exit."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if expect_parent is not None and os.getppid() != expect_parent:
+        os._exit(1)
+
+
+def launcher_rank():
+    for var in RANK_VARS:
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return -1
 
 
 def describe_status(rc):
@@ -44,19 +63,40 @@ def main(argv=None):
     if not cmd:
         sys.stderr.write("usage: python -m stellarun.rank -- COMMAND...\n")
         return 2
+    directory, rank = os.environ.get("STELLA_STATUS_DIR", ""), launcher_rank()
     parent = os.getppid()
     die_with_parent()
     if os.getppid() != parent:   # the parent went before the request took effect
         return 1
-    child = subprocess.Popen(cmd, close_fds=False, preexec_fn=die_with_parent)
-    record_start(os.environ.get("STELLA_STATUS_DIR", ""), int(os.environ.get("PMI_RANK", "-1") or -1), child.pid)
+    pending, child = [], None
+
+    def forward(signum, frame):
+        if child is None:
+            pending.append(signum)     # arrived before the rank started: delivered once it has
+        else:
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
     for s in FORWARDED:
-        signal.signal(s, lambda signum, frame: child.send_signal(signum))
+        signal.signal(s, forward)
+
+    me = os.getpid()
+    try:
+        child = subprocess.Popen(cmd, close_fds=False, preexec_fn=lambda: die_with_parent(expect_parent=me),
+                                 process_group=0)
+    except OSError as e:
+        record(directory, rank, "exit", "could not start %r: %s" % (cmd[0], e))
+        sys.stderr.write("stellarun.rank: could not start %r: %s\n" % (cmd[0], e))
+        return 127
+    record_start(directory, rank, child.pid)
+    for signum in pending:
+        forward(signum, None)
     rc = child.wait()
     if rc != 0:
-        record(os.environ.get("STELLA_STATUS_DIR", ""), int(os.environ.get("PMI_RANK", "-1") or -1),
-               "signal" if rc < 0 else "exit", describe_status(rc), child.pid)
+        record(directory, rank, "signal" if rc < 0 else "exit", describe_status(rc), child.pid)
     if rc < 0:   # end the way the rank ended, so that mpirun reports the same signal
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # the rank's core dump, not ours
         try:
             signal.signal(-rc, signal.SIG_DFL)
         except (OSError, ValueError):

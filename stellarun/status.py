@@ -19,6 +19,34 @@ EXIT_CODES = {
 }
 LAUNCH_FAILED = 15      # mpirun failed and no rank said why
 FIELDS = ("rank", "host", "pid", "time", "cause", "detail")
+DIR_PREFIX = "stellarun-status-"   # the job's status directory, in the temporary directory
+
+
+def write_owner(directory):
+    """Note the launcher's pid in its status directory (``stellarun --clean`` removes the
+    directories of launchers that are gone)."""
+    with open(os.path.join(directory, "launcher.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def launcher_alive(directory):
+    try:
+        with open(os.path.join(directory, "launcher.pid")) as f:
+            return os.path.exists("/proc/%d" % int(f.read().strip()))
+    except (OSError, ValueError):
+        # no pid yet: a directory made a moment ago is still being set up
+        try:
+            return time.time() - os.stat(directory).st_mtime < 60
+        except OSError:
+            return False
+
+
+def any_record(directory):
+    """Whether a rank of the job has recorded a failure yet."""
+    try:
+        return any(n.startswith("rank") for n in os.listdir(directory))
+    except OSError:
+        return False
 
 
 def record(directory, rank, cause, detail, pid=None):
@@ -39,8 +67,11 @@ def record_start(directory, rank, pid):
     """Note which process runs ``rank`` (``started<r>.json``), so stellarun can look at it."""
     if not directory:
         return
-    with open(os.path.join(directory, "started%d.json" % rank), "w") as f:
-        json.dump({"rank": rank, "host": socket.gethostname(), "pid": pid}, f)
+    try:
+        with open(os.path.join(directory, "started%d.json" % rank), "w") as f:
+            json.dump({"rank": rank, "host": socket.gethostname(), "pid": pid}, f)
+    except OSError:
+        pass   # not on this host (a multi-host job): stellarun only looks at its own host
 
 
 def stopped_ranks(directory):

@@ -49,7 +49,19 @@ def job_processes(token):
         rank = int(env[b"PMI_RANK"]) if b"PMI_RANK" in env else None
         is_rank = any(c.endswith(b"soak_train.py") for c in cmd) and b"stellarun.rank" not in cmd
         out[int(pid)] = (rank, is_rank)
+    # a rank's forked watchdogs carry its command line too: only the topmost is the rank
+    for pid, (rank, is_rank) in list(out.items()):
+        if is_rank and out.get(_parent(pid), (None, False))[1]:
+            out[pid] = (rank, False)
     return out
+
+
+def _parent(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def trial(i, rng, launcher, fault, path, steps, use_wan):
@@ -106,10 +118,11 @@ def trial(i, rng, launcher, fault, path, steps, use_wan):
     since_fault = None if fault_at is None else gone_at - fault_at
     if fault_at is not None and since_fault > TIMEOUT + 10:
         hung = True
-    named = fault_at is not None and bool(
-        ("PID %d " % pid) in out or re.search(r"rank %d\b[^\n]*(never came|did not answer|failed first|uncaught|received SIG|was stopped)"
-                                              % target, out)
-        or re.search(r"rank %d \(host [^)]*\) failed first" % target, out))
+    # named: a message says this rank (with its host and pid, or as the rank reporting itself) is
+    # the one that failed; a bystander's mention of it does not count
+    me = r"rank %d (\(host [^,]+, pid %d\) )?" % (target, pid or -1)
+    named = fault_at is not None and bool(re.search(
+        me + r"(never came|received SIG|was stopped|failed first)|stella_mpi: rank %d: uncaught" % target, out))
     wrong = "WRONG RESULT" in out
     return {"trial": i, "launcher": launcher, "wan": use_wan, "path": path, "fault": fault, "rank": target,
             "at_s": round(at, 2), "applied": fault_at is not None, "exit": proc.returncode, "hung": hung,

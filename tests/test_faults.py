@@ -30,7 +30,7 @@ def test_uncaught_exception_ends_job(as_module):
     proc, elapsed = _launch("raise", as_module=as_module)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 30, elapsed
+    assert elapsed < 45, elapsed
     assert "boom on purpose" in out
     if not as_module:
         assert "rank 1 raised an uncaught RuntimeError" in out
@@ -40,29 +40,29 @@ def test_uncaught_exception_ends_job(as_module):
 def test_dead_rank_ends_job():
     proc, elapsed = _launch("exit")
     assert proc.returncode != 0
-    assert elapsed < 30, elapsed
+    assert elapsed < 45, elapsed
 
 
 def test_stalled_rank_hits_the_deadline():
-    proc, elapsed = _launch("stall", timeout_env="3")
+    proc, elapsed = _launch("stall", timeout_env="8")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 40, elapsed
-    assert "did not complete within 3 s" in out, out[-3000:]
+    assert elapsed < 60, elapsed
+    assert "did not complete within 8 s" in out, out[-3000:]
     assert re.search(r"rank 1 \(host [^,]+, pid \d+\) never came", out), out[-3000:]
     assert "ending the job on every rank" in out
 
 
-@pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 3 s"),
+@pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 8 s"),
                                        ("late_init", "rank 1 never came"),
-                                       ("stop_at_exit", "the end of the program did not complete within 3 s")])
+                                       ("stop_at_exit", "the end of the program did not complete within 8 s")])
 def test_start_and_end_have_deadlines(mode, what):
     """A rank frozen before MPI_Init, before hvd.init() or at the end of the program: the others
     end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""
-    proc, elapsed = _launch(mode, timeout_env="3")
+    proc, elapsed = _launch(mode, timeout_env="8")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 15, (elapsed, out[-3000:])
+    assert elapsed < 60, (elapsed, out[-3000:])
     assert what in out, out[-3000:]
     if mode != "late_import":   # before MPI_Init nobody can be asked: stellarun names that rank
         assert re.search(r"rank 1 (\(host [^,]+, pid \d+\) )?never came", out), out[-3000:]
@@ -72,7 +72,7 @@ def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     proc, elapsed = _launch("corrupt")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 30, elapsed
+    assert elapsed < 45, elapsed
     assert "rank 1 sent a malformed payload for 'sparse.grad#shard1'" in out, out[-3000:]
     assert "finished without noticing" not in out
 
@@ -84,7 +84,7 @@ def test_a_failed_collective_never_returns_data(mode):
     proc, elapsed = _launch(mode)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 30, elapsed
+    assert elapsed < 45, elapsed
     assert "injected transport failure" in out and "rank 1:" in out, out[-3000:]
     assert "got a result after its collective failed" not in out, out[-3000:]
     assert "finished without noticing" not in out
@@ -95,5 +95,5 @@ def test_a_terminated_rank_names_itself():
     proc, elapsed = _launch("term")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert elapsed < 30, elapsed
+    assert elapsed < 45, elapsed
     assert re.search(r"rank 1 \(host [^,]+, pid \d+\) received SIGTERM", out), out[-3000:]

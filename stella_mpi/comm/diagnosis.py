@@ -5,28 +5,32 @@ asks the others where they are: it sends a small message on a reserved tag of CO
 every rank it waited for and listens for a few seconds. Every rank that waits with a deadline
 answers such questions while it polls (:func:`serve`), and a rank whose own deadline passes asks
 too, so the survivors of a job learn which ranks are silent (stalled, dead, or busy outside
-stella_mpi) and what the others are waiting in. The answers are untrusted data: bounded in
-size, parsed as JSON, shown as text.
+stella_mpi's waits) and what the others are waiting in. The answers are untrusted data: parsed
+as JSON, shown as text of bounded length. The tag is reserved on COMM_WORLD: a program that
+receives with MPI.ANY_TAG on COMM_WORLD itself could take these messages.
 """
 import json
 import os
 import socket
+import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 TAG = 32117          # reserved on COMM_WORLD (every MPI allows tags up to 32767)
-MAX_BYTES = 4096
+MAX_TEXT = 300
 _roster = {}         # world rank -> (host, pid), gathered at init
 _told = set()        # ranks this process has already told where it waits
 _heard = {}          # rank -> where it said it waits (questions and answers alike)
+_sends = []          # (request, buffer) of messages in flight: the buffers must outlive the sends
+_lock = threading.Lock()   # one thread at a time probes and receives (a probed message is one thread's)
 
 
 def set_roster(entries):
     """Remember every rank's host and pid (``{COMM_WORLD rank: [host, pid]}``, from ``init()``)."""
     _roster.clear()
-    _roster.update({int(r): (str(e[0]), int(e[1])) for r, e in entries.items()})
+    _roster.update({int(r): (str(e[0])[:100], int(e[1])) for r, e in entries.items()})
 
 
 def describe_rank(rank):
@@ -34,30 +38,33 @@ def describe_rank(rank):
     return "rank %d" % rank if host_pid is None else "rank %d (host %s, pid %d)" % (rank, host_pid[0], host_pid[1])
 
 
-def _message(where):
+def _tell(ranks, where):
+    """Send ``where`` to ``ranks`` (each once)."""
     world = MPI.COMM_WORLD
-    return np.frombuffer(json.dumps({"rank": world.Get_rank(), "host": socket.gethostname(), "pid": os.getpid(),
-                                     "where": str(where)[:300]}).encode()[:MAX_BYTES], dtype=np.uint8).copy()
+    msg = np.frombuffer(json.dumps({"rank": world.Get_rank(), "host": socket.gethostname(), "pid": os.getpid(),
+                                    "where": str(where)[:MAX_TEXT]}).encode(), dtype=np.uint8).copy()
+    for r in ranks:
+        if r not in _told:
+            _told.add(r)
+            _sends.append((world.Isend([msg, MPI.BYTE], dest=r, tag=TAG), msg))
+    _sends[:] = [(req, buf) for req, buf in _sends if not req.Test()]
 
 
 def _receive_pending():
-    """Every question or answer that has arrived, also kept in ``_heard``: {source rank: text
-    of where it waits}."""
+    """Take every question or answer that has arrived into ``_heard``; returns their senders."""
     world = MPI.COMM_WORLD
-    got = {}
+    got = []
     status = MPI.Status()
-    while world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
-        src, count = status.Get_source(), status.Get_count(MPI.BYTE)
-        buf = np.empty(max(count, 0), dtype=np.uint8)
-        world.Recv([buf, MPI.BYTE], source=src, tag=TAG)
-        if count > MAX_BYTES:
-            got[src] = "(an oversized answer)"
-            continue
-        try:
-            got[src] = str(json.loads(buf.tobytes().decode()).get("where", "?"))[:300]
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            got[src] = "(a garbled answer)"
-    _heard.update(got)
+    with _lock:
+        while world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            src, count = status.Get_source(), status.Get_count(MPI.BYTE)
+            buf = np.empty(max(count, 0), dtype=np.uint8)
+            world.Recv([buf, MPI.BYTE], source=src, tag=TAG)
+            try:
+                _heard[src] = str(json.loads(buf.tobytes().decode()).get("where", "?"))[:MAX_TEXT]
+            except (ValueError, UnicodeDecodeError, AttributeError):
+                _heard[src] = "(a garbled answer)"
+            got.append(src)
     return got
 
 
@@ -67,42 +74,33 @@ def serve(where):
         return
     asked = _receive_pending()
     if asked:
-        msg = _message(where)
-        world = MPI.COMM_WORLD
-        for src in asked:
-            if src not in _told:
-                _told.add(src)
-                world.Isend([msg, MPI.BYTE], dest=src, tag=TAG)
+        _tell(asked, where)
 
 
 def ask(where, peers, grace_s):
-    """Tell ``peers`` (world ranks) where this rank waits and listen ``grace_s`` seconds for
-    theirs. Returns one line per peer: where it waits, or that it did not answer."""
+    """Tell ``peers`` (COMM_WORLD ranks) where this rank waits and listen ``grace_s`` seconds for
+    theirs. Returns the text of the finding: the silent ranks, then where the others wait."""
     world = MPI.COMM_WORLD
     me = world.Get_rank()
     peers = [p for p in peers if p != me and 0 <= p < world.Get_size()]
-    msg = _message(where)
-    for p in peers:
-        if p not in _told:
-            _told.add(p)
-            world.Isend([msg, MPI.BYTE], dest=p, tag=TAG)
+    _tell(peers, where)
     end = time.monotonic() + grace_s
     while True:
         _receive_pending()
-        heard = {p: _heard[p] for p in peers if p in _heard}
-        if len(heard) == len(peers) or time.monotonic() >= end:
+        if all(p in _heard for p in peers) or time.monotonic() >= end:
             break
         time.sleep(0.01)
-    lines = []
+    silent = [p for p in peers if p not in _heard]
+    waiting = {}
     for p in peers:
-        if p in heard:
-            lines.append("  %s is waiting in %s" % (describe_rank(p), heard[p]))
-        else:
-            lines.append("  %s did not answer within %.0f s: it has stalled, died or is busy outside stella_mpi"
-                         % (describe_rank(p), grace_s))
-    return lines
-
-
-def silent(lines):
-    """The ranks of ``ask``'s answer that did not answer."""
-    return [ln.strip().split(" did not answer")[0] for ln in lines if "did not answer" in ln]
+        if p in _heard:
+            waiting.setdefault(_heard[p], []).append(p)
+    lines = []
+    if silent:
+        lines.append("%s never came (no answer within %.0f s: stalled, dead, or busy outside stella_mpi's waits)"
+                     % (", ".join(describe_rank(p) for p in silent), grace_s))
+    else:
+        lines.append("every peer answered: they wait elsewhere")
+    for place, ranks in waiting.items():
+        lines.append("  rank(s) %s wait in %s" % (", ".join(str(r) for r in ranks), place))
+    return "\n".join(lines)

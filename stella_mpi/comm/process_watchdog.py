@@ -5,10 +5,12 @@ arrive; MPI_Finalize, at the end of the program, can wait for a peer too. A rank
 dies must not hang the others there, so both run under a watchdog (``STELLA_TIMEOUT``).
 
 The watchdog is a forked child process, not a thread: MPI_Init may spin holding the GIL, and
-MPI_Finalize runs when Python's threads are gone. The child waits on a pipe whose write end only
-the parent holds; the parent closes it when the guarded step is over (or the kernel does when
-the parent exits). If the deadline passes first, the child writes the message, records the
-failure for stellarun and kills the parent, which the launcher sees as a failed rank."""
+MPI_Finalize runs when Python's threads are gone. The child keeps only a pipe (and stderr) open;
+it waits on the pipe, whose write end only the parent holds: the parent closes it when the
+guarded step is over, or the kernel does when the parent exits. If the deadline passes first,
+the child writes the message, records the failure for stellarun, waits a second (the launcher
+may look at the job) and kills the parent, which the launcher sees as a failed rank. Where a
+fork is not possible (no memory), the step runs without its deadline."""
 import os
 import select
 import signal
@@ -28,18 +30,27 @@ def _timeout():
 
 def watch(timeout, message, rank):
     """Fork a watchdog that kills this process unless the returned pipe end is closed (or this
-    process exits) within ``timeout`` seconds. Returns (write end, child pid)."""
+    process exits) within ``timeout`` seconds. Returns (write end, child pid), or None."""
     parent = os.getpid()
     r, w = os.pipe()
-    child = os.fork()
+    try:
+        child = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
     if child == 0:
         try:
-            os.close(w)
+            os.closerange(3, r)   # the parent's sockets, shared memory and PMI stay the parent's
+            os.closerange(r + 1, os.sysconf("SC_OPEN_MAX"))
             ready, _, _ = select.select([r], [], [], timeout)
             if not ready:
-                os.write(2, message.encode(errors="replace"))
-                record_status("deadline", message.strip(), rank=rank)
-                time.sleep(1.0)   # the launcher may look at the job before it is torn down
+                try:
+                    os.write(2, message.encode(errors="replace"))
+                except OSError:
+                    pass
+                record_status("deadline", message.strip(), rank=rank, pid=parent)
+                time.sleep(1.0)
                 os.kill(parent, signal.SIGKILL)
         finally:
             os._exit(0)
@@ -53,19 +64,24 @@ def import_mpi():
     if "mpi4py.MPI" in sys.modules:
         return
     timeout, rank = _timeout(), launcher_rank_setting()
-    w, child = watch(timeout, "stella_mpi: rank %d (as the launcher numbers it): MPI_Init did not complete within %.0f "
-                     "s (STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
-                     "down)\n" % (rank, timeout), rank)
+    guard = watch(timeout, "stella_mpi: rank %d (as the launcher numbers it): MPI_Init did not complete within %.0f "
+                  "s (STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
+                  "down)\n" % (rank, timeout), rank)
     try:
         from mpi4py import MPI  # noqa: F401
     finally:
-        os.close(w)             # the watchdog sees end-of-file and leaves
-        os.waitpid(child, 0)
+        if guard is not None:
+            os.close(guard[0])             # the watchdog sees end-of-file and leaves
+            try:
+                os.waitpid(guard[1], 0)
+            except ChildProcessError:      # SIGCHLD ignored: nothing to reap
+                pass
 
 
 def guard_exit(rank):
-    """Arm the deadline of this process's end (MPI_Finalize): the watchdog kills the process if
-    it is still alive ``STELLA_TIMEOUT`` seconds from now."""
+    """Arm the deadline of this process's end (MPI_Finalize, interpreter teardown): the watchdog
+    kills the process if it is still alive ``STELLA_TIMEOUT`` seconds from now."""
     timeout = _timeout()
-    watch(timeout, "stella_mpi: rank %d: MPI_Finalize did not complete within %.0f s (STELLA_TIMEOUT) after the "
-          "program ended: a peer rank has stalled; ending this process\n" % (rank, timeout), rank)
+    watch(timeout, "stella_mpi: rank %d: the process did not end within %.0f s (STELLA_TIMEOUT) after the program "
+          "did: MPI_Finalize waits for a peer that has stalled, or teardown hangs; ending this process\n"
+          % (rank, timeout), rank)

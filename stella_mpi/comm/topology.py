@@ -46,22 +46,24 @@ class Topology:
 
 
 class Communicators:
-    """The communicators of one process set. Every rank of ``comm`` builds them collectively."""
+    """The communicators of one process set. Every rank of ``comm`` builds them collectively
+    (splits have no non-blocking form: they run under the deadline's watchdog)."""
 
-    def __init__(self, comm, topo):
+    def __init__(self, comm, topo, deadline):
         self.comm = comm
         self.topo = topo
-        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
-        self.cross = comm.Split(color=topo.local_rank, key=topo.rank)
-        self.cluster = comm.Split(color=topo.cluster_id, key=topo.rank)
-        # cluster leaders, ordered by cluster id: the cross-cluster route for whole buffers
-        self.leaders = comm.Split(color=0 if topo.cluster_rank == 0 else MPI.UNDEFINED, key=topo.cluster_id)
-        # the ranks owning the same shard in every cluster (only when shards line up)
-        if topo.uniform_clusters:
-            self.shard = comm.Split(color=topo.cluster_rank, key=topo.cluster_id)
-        else:
-            comm.Split(color=MPI.UNDEFINED, key=0)  # keep the collective call count equal
-            self.shard = None
+        with deadline.guard("splitting the process set's communicator"):
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
+            self.cross = comm.Split(color=topo.local_rank, key=topo.rank)
+            self.cluster = comm.Split(color=topo.cluster_id, key=topo.rank)
+            # cluster leaders, ordered by cluster id: the cross-cluster route for whole buffers
+            self.leaders = comm.Split(color=0 if topo.cluster_rank == 0 else MPI.UNDEFINED, key=topo.cluster_id)
+            # the ranks owning the same shard in every cluster (only when shards line up)
+            if topo.uniform_clusters:
+                self.shard = comm.Split(color=topo.cluster_rank, key=topo.cluster_id)
+            else:
+                comm.Split(color=MPI.UNDEFINED, key=0)  # keep the collective call count equal
+                self.shard = None
 
     def free(self):
         for c in (self.node, self.cross, self.cluster, self.leaders, self.shard):
@@ -72,7 +74,8 @@ class Communicators:
 
 def _node_layout(comm, deadline):
     """(node_id, local_rank, local_size) with nodes numbered by their lowest rank."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    with deadline.guard("node discovery"):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
         local_rank, local_size = node.Get_rank(), node.Get_size()
         lowest = np.zeros(1, dtype=np.int64)
@@ -123,7 +126,8 @@ def build_topology(comm, label_of, deadline):
     this rank's cluster label; labels are gathered so every rank sees the same clusters."""
     rank, size = comm.Get_rank(), comm.Get_size()
     node_id, local_rank, local_size = _node_layout(comm, deadline)
-    cross = comm.Split(color=local_rank, key=rank)
+    with deadline.guard("node discovery"):
+        cross = comm.Split(color=local_rank, key=rank)
     try:
         cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
     finally:

@@ -24,6 +24,7 @@ later submission raise :class:`HorovodInternalError`, and the process ends
 import hashlib
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -106,7 +107,7 @@ class CollectiveThread:
         """Queue ``op``; returns its integer handle. ``post`` turns the executor's result into
         what :meth:`wait` returns (on the waiting thread)."""
         if self._failure is not None:
-            raise self._failure
+            raise HorovodInternalError(str(self._failure))
         if self._stopped:
             raise HorovodInternalError("stella_mpi has been shut down; call hvd.init() again")
         handle = Handle(op.name, post)
@@ -135,6 +136,8 @@ class CollectiveThread:
                 raise HorovodInternalError("rank %d: the stella_mpi collective thread has stopped" % self.rank)
         with self._lock:
             self._handles.pop(hid, None)
+        if handle.error is self._failure and handle.error is not None:
+            raise HorovodInternalError(str(handle.error))   # a fresh one per raise (several threads may wait)
         if handle.error is not None:
             raise handle.error
         return handle.post(handle.result) if handle.post is not None else handle.result
@@ -174,24 +177,32 @@ class CollectiveThread:
                     op.handle.result = op.execute(op.pset, op.desc, op.inputs, joined)
             except CollectiveRefused as e:
                 op.handle.error = e          # raised on every rank alike: the ranks are still in step
-            except Exception as e:  # noqa: BLE001 - a failed collective ends the job everywhere
+            except BaseException as e:  # noqa: BLE001 - a failed collective ends the job everywhere
                 fatal = e
                 self._fail_everything(op, e)
             finally:
                 with self._lock:
                     self._inflight.discard(op.name)
                 op.handle.done.set()
-            if fatal is not None:
-                self._fatal(op, fatal)   # never returns
+                if fatal is not None:
+                    end_job("", cause=self._cause(fatal))   # the message is out already; never returns
 
     def _fail_everything(self, op, exc):
-        """After ``op`` failed with ``exc``: it, every queued op and every later one raise."""
+        """After ``op`` failed with ``exc``: it, every queued op and every later one raise, and the
+        whole story is written (and recorded for stellarun) before any waiting thread wakes up
+        and reports its own exception."""
         first_line = (str(exc).splitlines() or [""])[0]
         self._failure = HorovodInternalError("rank %d: %s failed (%s: %s); the job is ending on every rank"
                                              % (self.rank, describe(op.desc), type(exc).__name__, first_line))
-        # the cause is recorded before any waiting thread wakes up and reports its own exception
-        record_status(self._cause(exc), str(self._failure))
         op.handle.error = self._failure
+        try:
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            os.write(2, ("stella_mpi: rank %d: %s failed: %s: %s\n%sstella_mpi: rank %d: ending the job on every "
+                         "rank\n" % (self.rank, describe(op.desc), type(exc).__name__, exc, trace, self.rank)
+                         ).encode(errors="replace"))
+        except Exception:  # noqa: BLE001 - nothing may stop the failure from being final
+            pass
+        record_status(self._cause(exc), str(self._failure))
         while True:
             try:
                 queued = self._queue.get_nowait()
@@ -204,11 +215,6 @@ class CollectiveThread:
     @staticmethod
     def _cause(exc):
         return "deadline" if isinstance(exc, StellaTimeoutError) else "collective"
-
-    def _fatal(self, op, exc):
-        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        end_job("stella_mpi: rank %d: %s failed: %s: %s\n%sstella_mpi: rank %d: ending the job on every rank"
-                % (self.rank, describe(op.desc), type(exc).__name__, exc, trace, self.rank), cause=self._cause(exc))
 
     def _hash(self, desc):
         key = json.dumps(desc, sort_keys=True, separators=(",", ":"))

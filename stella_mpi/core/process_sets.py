@@ -5,7 +5,7 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.deadline import Deadline
+from ..comm.deadline import Deadline, world_ranks
 from ..comm.hierarchy import Hierarchy
 from ..comm.intra import MpiIntra, TorchIntra, gloo_usable, pick_cpu_backend
 from ..comm.topology import Communicators, build_topology
@@ -45,17 +45,19 @@ class ProcessSet:
             self.ranks = list(range(world.Get_size()))
         if any(r < 0 or r >= world.Get_size() for r in self.ranks):
             raise ValueError("process set ranks %s are outside 0..%d" % (self.ranks, world.Get_size() - 1))
-        group = world.Get_group().Incl(self.ranks)
-        comm = world.Create_group(group) if world_rank in self.ranks else MPI.COMM_NULL
-        group.Free()
         self.is_global = is_global
         self._world_rank = world_rank
-        if comm == MPI.COMM_NULL:
+        if world_rank not in self.ranks:
             return
-        self.deadline = Deadline(config.timeout_s, world_rank,
-                                 peers=world.Get_group().Translate_ranks(self.ranks, MPI.COMM_WORLD.Get_group()))
+        self.deadline = Deadline(config.timeout_s, world_rank, peers=world_ranks(world, self.ranks))
+        whole = world.Get_group()
+        group = whole.Incl(self.ranks)
+        with self.deadline.guard("creating process set %s" % self.ranks):
+            comm = world.Create_group(group)
+        group.Free()
+        whole.Free()
         topo = build_topology(comm, label_of, self.deadline)
-        self.comms = Communicators(comm, topo)
+        self.comms = Communicators(comm, topo, self.deadline)
         self.intra = self._intra_backend(topo, config)
         self.hierarchy = Hierarchy(self.comms, self.intra, self.deadline, self.ranks, stats, pacer,
                                    config.sparse_algorithm)

@@ -21,11 +21,11 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from ..base.config import Config, timeout_setting
+from ..base.config import Config
 from ..base.errors import NotInitializedError, StellaTimeoutError
 from ..comm import diagnosis
-from ..comm.abort import end_job, this_rank
-from ..comm.deadline import Deadline
+from ..comm.abort import end_job, is_rank_process, record_status, this_rank
+from ..comm.deadline import Deadline, world_ranks
 from ..comm.messages import allgather_json
 from ..comm.pacing import Pacer
 from ..comm.process_watchdog import guard_exit
@@ -47,16 +47,18 @@ class Runtime:
         log.setLevel(self.config.log_level.upper() if self.config.log_level.upper() in
                      ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING")
         cfg = self.config
-        everyone = Deadline(cfg.timeout_s, MPI.COMM_WORLD.Get_rank())
         if comm is None:
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             world = MPI.COMM_WORLD
             ranks = sorted(comm)
-            group = world.Get_group().Incl(ranks)
-            with everyone.guard("hvd.init(comm=%s): creating the communicator" % ranks):
+            whole = world.Get_group()
+            group = whole.Incl(ranks)
+            with Deadline(cfg.timeout_s, world.Get_rank(), peers=ranks).guard(
+                    "hvd.init(comm=%s): creating the communicator" % ranks):
                 comm = world.Create_group(group)
             group.Free()
+            whole.Free()
         # every rank of the job must call init(): the duplication is where they meet
         arrival = Deadline(cfg.timeout_s, comm.Get_rank(), peers=world_ranks(comm, range(comm.Get_size())))
         self.world, request = comm.Idup()
@@ -73,8 +75,7 @@ class Runtime:
         self._auto_names = {}           # (prefix, process set id) -> counter naming unnamed collectives
         self._auto_lock = threading.Lock()
         global_process_set.ranks = list(range(self.size))
-        with arrival.guard("hvd.init(): building the communicators", slack=True):
-            self._build(global_process_set, is_global=True)
+        self._build(global_process_set, is_global=True)
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
         self.collective_thread = CollectiveThread(self.rank, cfg)
@@ -99,6 +100,12 @@ class Runtime:
         return "%s.noname.%d" % (prefix, n) if not set_id else "%s.set%d.noname.%d" % (prefix, set_id, n)
 
     def add_process_set(self, ps):
+        try:
+            return self._add_process_set(ps)
+        except StellaTimeoutError as e:   # a rank never came: the ranks are out of step
+            end_job("stella_mpi: %s" % e, cause="deadline")
+
+    def _add_process_set(self, ps):
         if not isinstance(ps, ProcessSet):
             ps = ProcessSet(ps)
         if ps.process_set_id is not None:
@@ -113,8 +120,7 @@ class Runtime:
         existing = [p for p in self.process_sets.values() if p.ranks == ps.ranks]
         if existing:
             raise ValueError("a process set with ranks %s already exists (id %d)" % (ps.ranks, existing[0].process_set_id))
-        with global_process_set.deadline.guard("add_process_set(%s)" % ps.ranks, slack=True):
-            self._build(ps, is_global=False)
+        self._build(ps, is_global=False)
         ps.process_set_id = max(self.process_sets) + 1
         self.process_sets[ps.process_set_id] = ps
         return ps
@@ -122,7 +128,10 @@ class Runtime:
     def remove_process_set(self, ps):
         if ps.process_set_id in (None, 0):
             raise ValueError("cannot remove %r" % ps)
-        global_process_set.deadline.wait(self.world.Ibarrier(), "process set change")
+        try:
+            global_process_set.deadline.wait(self.world.Ibarrier(), "process set change")
+        except StellaTimeoutError as e:
+            end_job("stella_mpi: %s" % e, cause="deadline")
         del self.process_sets[ps.process_set_id]
         ps._free()
         ps.process_set_id = None
@@ -140,6 +149,7 @@ class Runtime:
 _runtime = None
 _lock = threading.Lock()
 _prev_excepthook = None
+_ever = [False]      # whether this process ever called init()
 
 
 def current(what="this operation"):
@@ -160,22 +170,34 @@ def is_initialized():
 
 def _abort_on_uncaught(exc_type, exc, tb):
     """An uncaught exception on one rank ends the job on every rank, naming this rank."""
-    rank = MPI.COMM_WORLD.Get_rank()
+    ending = is_rank_process() and MPI.Is_initialized() and not MPI.Is_finalized() and \
+        MPI.COMM_WORLD.Get_size() > 1 and not issubclass(exc_type, SystemExit)
+    rank = this_rank()
     try:
-        sys.stderr.write("stella_mpi: rank %d raised an uncaught %s; ending the job on every rank\n"
-                         % (rank, exc_type.__name__))
+        if ending:
+            sys.stderr.write("stella_mpi: rank %d raised an uncaught %s\n" % (rank, exc_type.__name__))
         (_prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
         sys.stderr.flush()
     finally:
-        if MPI.COMM_WORLD.Get_size() > 1 and not issubclass(exc_type, (SystemExit,)):
+        if ending:
             end_job("stella_mpi: rank %d: uncaught %s: %s" % (rank, exc_type.__name__, exc), cause="exception")
 
 
 def _end_on_signal(signum, frame):
     """SIGTERM/SIGHUP on one rank (a scheduler, a revoked host, a user) end the job everywhere,
-    naming this rank: under plain mpirun nobody else would (hydra's report may name another pid)."""
-    end_job("stella_mpi: %s received %s; ending the job on every rank"
-            % (diagnosis.describe_rank(this_rank()), signal.Signals(signum).name), cause="signal")
+    naming this rank: under plain mpirun nobody else would (hydra's report may name another pid).
+    The rank says so and records it, then dies of the signal as it would have without stella_mpi
+    (the launcher ends the others)."""
+    if is_rank_process():
+        message = "stella_mpi: %s received %s; ending the job on every rank" % (
+            diagnosis.describe_rank(this_rank()), signal.Signals(signum).name)
+        try:
+            os.write(2, (message + "\n").encode())
+        except OSError:
+            pass
+        record_status("signal", message)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _install_signal_handlers():
@@ -210,8 +232,8 @@ def init(comm=None, process_sets=None):
             _runtime = Runtime(comm, process_sets)
         except StellaTimeoutError as e:
             # a rank never came: the job cannot start, and MPI cannot finalize cleanly either
-            end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank"
-                    % (e, MPI.COMM_WORLD.Get_rank()), cause="deadline")
+            end_job("stella_mpi: %s" % e, cause="deadline")
+        _ever[0] = True
         _install_excepthook()
 
 
@@ -225,24 +247,22 @@ def shutdown():
         rt.close()
 
 
-def world_ranks(comm, ranks):
-    """COMM_WORLD's numbers of ``comm``'s ``ranks`` (what diagnosis asks)."""
-    return list(comm.Get_group().Translate_ranks(list(ranks), MPI.COMM_WORLD.Get_group()))
-
-
 def _at_exit():
-    """At the end of the program: shut down, then meet the other ranks with the deadline before
-    MPI_Finalize (which would wait for a frozen peer without one, and name nobody), and give
-    MPI_Finalize itself a deadline."""
+    """At the end of the program: meet the other ranks of the runtime with the deadline (MPI_Finalize
+    would wait for a frozen peer without one, and name nobody), shut down, and give MPI_Finalize
+    itself a deadline. Only in a rank that called ``init()`` (not in a child forked from it)."""
+    if not is_rank_process() or not _ever[0]:
+        return
+    rt = _runtime
+    if rt is not None and rt.size > 1:
+        try:
+            Deadline(rt.config.timeout_s, rt.rank, peers=world_ranks(rt.world, range(rt.size))).wait(
+                rt.world.Ibarrier(), "the end of the program")
+        except StellaTimeoutError as e:
+            end_job("stella_mpi: %s" % e, cause="deadline")
     shutdown()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        world = MPI.COMM_WORLD
-        try:
-            Deadline(timeout_setting(), world.Get_rank()).wait(world.Ibarrier(), "the end of the program")
-        except StellaTimeoutError as e:
-            end_job("stella_mpi: %s\nstella_mpi: rank %d: ending the job on every rank" % (e, world.Get_rank()),
-                    cause="deadline")
-        guard_exit(world.Get_rank())   # MPI_Finalize comes next: it gets a deadline too
+        guard_exit(MPI.COMM_WORLD.Get_rank())   # MPI_Finalize comes next: it gets a deadline too
 
 
 atexit.register(_at_exit)

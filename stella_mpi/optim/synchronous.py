@@ -15,9 +15,10 @@ from ..api.reduce_ops import Average, Max, Min, Product, Sum, op_name
 from ..base.errors import NonFiniteGradientError
 from ..compression import Compression, Memory
 from ..core import state
+from ..core.nonfinite import has_nonfinite
+from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
 
 log = logging.getLogger("stella_mpi")
-from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
 
 
 class _SyncBucket(Bucket):
@@ -111,8 +112,14 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
 
     def synchronize(self):
         """Finish the reduction of every gradient (launching any bucket whose hooks did not fire)."""
-        if not self._process_set.included() or state.current().size == 1:
+        self._skip_step = False
+        rt = state.current()
+        if not self._process_set.included() or rt.size == 1:
             self._synchronized = True
+            if rt.size == 1 and rt.config.nonfinite != "off" and \
+                    has_nonfinite([p.grad for p in self._params if p.grad is not None]):
+                self._nonfinite([(b, NonFiniteGradientError("rank 0: a non-finite gradient (NaN or Inf) on rank 0"))
+                                 for b in self._buckets])
             return
         if self._adjust is not None:
             self._adjust.enter()
@@ -138,25 +145,30 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         for p in self._params:
             self._passes[p] = self.backward_passes_per_step
         self._step_count += 1
-        rt = state.current()
-        skip = bool(refused) and rt.config.nonfinite == "skip"
-        if skip:
-            self._skip_step = True
-            rt.wan_stats.add(skipped_nonfinite=1)
+        if refused:
+            self._nonfinite(refused)   # before the step's counters close: a skip is counted in it
         rt.wan_stats.end_step()
         self._synchronized = True
-        if refused:
-            self._nonfinite(refused, skip)
 
-    def _nonfinite(self, refused, skip):
-        """A gradient held NaN/Inf on some rank: the same on every rank, the step is skipped (the
-        buckets refused moved nothing, so no residual saw the values) or, with
-        ``STELLA_NONFINITE=raise``, the error is raised (the optimizer stays usable)."""
-        first = refused[0][1]
-        if not skip:
-            raise first
+    def _nonfinite(self, refused):
+        """A gradient held NaN/Inf on some rank; every rank decides the same. ``skip`` (default):
+        the step is skipped (the refused buckets moved nothing, so no residual saw the values), and
+        their gradients are set to NaN on every rank, as an allreduce would have made them, so that
+        a GradScaler or a clipping step decides alike everywhere. ``raise``: the error is raised
+        (the optimizer stays usable)."""
+        rt = state.current()
         mine = [self._names[p] for bucket, _ in refused for p in bucket.params
                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        first = refused[0][1]
+        if rt.config.nonfinite == "raise":
+            self._synchronized = False
+            raise first
+        for bucket, _ in refused:
+            for p in bucket.params:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        self._skip_step = True
+        rt.wan_stats.add(skipped_nonfinite=1)
         log.warning("stella_mpi: step %d skipped on every rank: %s%s", self._step_count - 1,
                     str(first).split(": ", 1)[-1], "; on this rank: %s" % ", ".join(mine) if mine else "")
 
@@ -204,6 +216,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self._passes[p] = passes
 
     def load_state_dict(self, state_dict):
+        self._skip_step = False
         for b in self._buckets:
             if b.handle is not None:
                 synchronize(b.handle)

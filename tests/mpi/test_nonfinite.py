@@ -162,3 +162,28 @@ def test_a_plain_allreduce_keeps_horovods_semantics():
         x[0] = float("nan")
     out = hvd.allreduce(x)
     assert torch.isnan(out[0]) and torch.equal(out[1:], torch.ones(4))
+
+
+def test_a_skipped_step_leaves_the_same_gradients_on_every_rank():
+    """What a GradScaler or a clipping step looks at between synchronize() and step() is the same
+    on every rank: the refused gradients are NaN everywhere, as an allreduce would have made them;
+    step() then changes nothing, and the next step is not skipped."""
+    model = small_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = rank_batch(hvd.rank(), 0)
+    hook = _poison(model, "entry") if hvd.rank() == _bad_rank() else None
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if hook is not None:
+        hook.remove()
+    opt.synchronize()
+    assert all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
+    with opt.skip_synchronize():
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    _finite_and_equal_everywhere(model)

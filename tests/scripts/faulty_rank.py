@@ -1,11 +1,10 @@
-"""A job in which one rank fails in the way named by argv[1]; the others keep reducing."""
+"""A job in which one rank fails in the way named by argv[1]; the others keep reducing.
+stella_mpi is imported before torch: MPI_Init then happens right at start-up, so that the
+ranks' deadlines (short in these tests) do not also cover a loaded machine's torch imports."""
 import os
+import signal
 import sys
 import time
-
-import signal
-
-import torch
 
 mode = sys.argv[1]
 if mode == "late_import" and os.environ.get("PMI_RANK") == "1":
@@ -13,6 +12,7 @@ if mode == "late_import" and os.environ.get("PMI_RANK") == "1":
 if mode == "stop_at_start" and os.environ.get("PMI_RANK") == "1":
     os.kill(os.getpid(), signal.SIGSTOP)   # frozen before MPI_Init
 import stella_mpi as hvd  # noqa: E402
+import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 if mode == "late_init" and MPI.COMM_WORLD.Get_rank() == 1:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from mpi_launch import ROOT
 
@@ -50,3 +51,51 @@ def test_the_supervisor_records_a_signal_and_ends_the_same_way(tmp_path):
     fine = subprocess.run([sys.executable, "-m", "stellarun.rank", "--", sys.executable, "-c", "pass"],
                           cwd=ROOT, env=dict(env, PMI_RANK="7"), timeout=60)
     assert fine.returncode == 0 and not (tmp_path / "rank7.json").exists()
+
+
+def test_the_rank_dies_with_its_supervisor(tmp_path):
+    """A killed supervisor (its launcher went) takes its rank along: nothing keeps running."""
+    pidfile = tmp_path / "child.pid"
+    sup = subprocess.Popen([sys.executable, "-m", "stellarun.rank", "--", sys.executable, "-c",
+                            "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(60)" % str(pidfile)],
+                           cwd=ROOT)
+    try:
+        for _ in range(200):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        sup.kill()
+        sup.wait()
+        for _ in range(100):
+            if not os.path.exists("/proc/%d" % child) or _state(child) == "Z":
+                break
+            time.sleep(0.05)
+        assert not os.path.exists("/proc/%d" % child) or _state(child) == "Z"
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+
+
+def _state(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_every_cause_stella_mpi_records_has_an_exit_code():
+    """The causes written by stella_mpi (comm/abort.py's callers) are the ones stellarun maps."""
+    import re
+    from stellarun import status
+    causes = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "stella_mpi")):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(dirpath, f)).read()
+                causes |= set(re.findall(r'cause="(\w+)"', text))
+                causes |= set(re.findall(r'record_status\("(\w+)"', text))
+                causes |= set(re.findall(r'return "(deadline|collective)" if', text))
+    assert {"exception", "deadline", "signal"} <= causes, causes
+    assert causes <= set(status.EXIT_CODES), causes - set(status.EXIT_CODES)
