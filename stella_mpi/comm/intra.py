@@ -12,6 +12,7 @@ Two interchangeable backends over the same cluster membership:
 All methods take flat, contiguous tensors in the reduction dtype (see
 ``hierarchy.compute_dtype``) and return only when the data is in place.
 """
+import os
 import socket
 from datetime import timedelta
 
@@ -118,8 +119,13 @@ class TorchIntra:
             except OSError:
                 listener.close()
                 raise
-            store = dist.TCPStore(host, port, self.size, True, timeout=timeout, wait_for_workers=False,
-                                  master_listen_fd=listener.detach())
+            fd = listener.detach()
+            try:
+                store = dist.TCPStore(host, port, self.size, True, timeout=timeout, wait_for_workers=False,
+                                      master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
             addr = (host, store.port)
         else:
             addr = None
