@@ -24,6 +24,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from mpi_launch import tagged_processes  # noqa: E402
 from stellarun import leftovers, wan  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -34,21 +36,10 @@ SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTO
 def job_processes(token):
     """{pid: (PMI rank or None, is the rank's python itself)} of the processes of one trial."""
     out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % pid, "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open("/proc/%s/environ" % pid, "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if env.get(b"STELLA_SOAK_TOKEN") != token.encode():
-            continue
+    for pid, (cmd, env) in tagged_processes("STELLA_SOAK_TOKEN", token).items():
         rank = int(env[b"PMI_RANK"]) if b"PMI_RANK" in env else None
         is_rank = any(c.endswith(b"soak_train.py") for c in cmd) and b"stellarun.rank" not in cmd
-        out[int(pid)] = (rank, is_rank)
+        out[pid] = (rank, is_rank)
     # a rank's forked watchdogs carry its command line too: only the topmost is the rank
     for pid, (rank, is_rank) in list(out.items()):
         if is_rank and out.get(_parent(pid), (None, False))[1]:

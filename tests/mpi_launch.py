@@ -60,3 +60,24 @@ def run_mpmd(parts, timeout=240, env=None):
         cmd += [sys.executable, "-m", "mpi4py"] + list(args)
     full_env = _job_env(env)
     return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def tagged_processes(var, value):
+    """{pid: (command line, environment)} of the running processes whose environment has
+    ``var=value`` (how a test finds the processes of the job it started)."""
+    out = {}
+    want = ("%s=%s" % (var, value)).encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/environ" % pid, "rb") as f:
+                raw = f.read().split(b"\0")
+            if want not in raw:
+                continue
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        out[int(pid)] = (cmd, dict(kv.split(b"=", 1) for kv in raw if b"=" in kv))
+    return out

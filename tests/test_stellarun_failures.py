@@ -2,14 +2,16 @@
 of failure, MPICH's files of the job removed, and the job gone when stellarun is killed."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-from mpi_launch import ROOT, mpirun_path
+from mpi_launch import ROOT, mpirun_path, tagged_processes
 
 pytestmark = pytest.mark.mpi
 STELLARUN = os.path.join(os.path.dirname(sys.executable), "stellarun")
@@ -67,21 +69,8 @@ def test_usage_errors_exit_2():
 
 def _job_processes(token):
     """The rank processes of the job whose environment carries ``token`` (not their supervisors)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open("/proc/%s/environ" % pid, "rb") as f:
-                env = f.read().split(b"\0")
-            with open("/proc/%s/cmdline" % pid, "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ("STELLA_TEST_TOKEN=%s" % token).encode() in env and b"stellarun.rank" not in cmd and \
-                any(c.endswith(b"python") or b"python3" in c for c in cmd[:1]) and b"-c" in cmd:
-            out.append(int(pid))
-    return out
+    return [pid for pid, (cmd, _) in tagged_processes("STELLA_TEST_TOKEN", token).items()
+            if len(cmd) > 1 and cmd[1] == b"-c"]   # python -c SCRIPT: not mpirun, stellarun or a supervisor
 
 
 class _LongJob:
@@ -91,8 +80,11 @@ class _LongJob:
         if mpirun_path() is None or not os.path.exists(STELLARUN):
             pytest.skip("no mpirun or stellarun")
         self.token = "longjob%d_%d" % (os.getpid(), time.monotonic_ns())
-        script = ("import time, stella_mpi as hvd, torch\nhvd.init()\n"
-                  "for i in range(3000):\n    hvd.allreduce(torch.ones(4), name='s%d' % i); time.sleep(0.02)\n")
+        self.marks = tempfile.mkdtemp(prefix="stella-longjob-")
+        script = ("import os, time, stella_mpi as hvd, torch\nhvd.init()\n"
+                  "open(os.path.join(%r, str(hvd.rank())), 'w').close()\n"
+                  "for i in range(3000):\n    hvd.allreduce(torch.ones(4), name='s%%d' %% i); time.sleep(0.02)\n"
+                  % self.marks)
         self.proc = subprocess.Popen([STELLARUN, "-np", "2", sys.executable, "-c", script], cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TEST_TOKEN=self.token),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -102,10 +94,11 @@ class _LongJob:
         return _job_processes(self.token)
 
     def wait_for_ranks(self, n=2):
+        """Until ``n`` ranks are past hvd.init() and training."""
         end = time.monotonic() + 90
-        while len(self.ranks()) < n and time.monotonic() < end:
+        while len(os.listdir(self.marks)) < n and time.monotonic() < end and self.proc.poll() is None:
             time.sleep(0.2)
-        assert len(self.ranks()) >= n, "the ranks did not start"
+        assert len(os.listdir(self.marks)) >= n, "the ranks did not get through hvd.init()"
 
     def close(self):
         if self.proc.poll() is None:
@@ -113,6 +106,7 @@ class _LongJob:
             self.proc.wait()
         for pid in self.ranks():
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.marks, ignore_errors=True)
 
 
 def test_killing_stellarun_takes_its_job_down():
