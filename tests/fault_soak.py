@@ -113,7 +113,7 @@ def trial(i, rng, launcher, fault, path, steps, use_wan):
     # the one that failed; a bystander's mention of it does not count
     me = r"rank %d (\(host [^,]+, pid %d\) )?" % (target, pid or -1)
     named = fault_at is not None and bool(re.search(
-        me + r"(never came|received SIG|was stopped|failed first)|stella_mpi: rank %d: uncaught" % target, out))
+        me + r"(never came|received SIG|was stopped|is stopped|failed first)|stella_mpi: rank %d: uncaught" % target, out))
     wrong = "WRONG RESULT" in out
     return {"trial": i, "launcher": launcher, "wan": use_wan, "path": path, "fault": fault, "rank": target,
             "at_s": round(at, 2), "applied": fault_at is not None, "exit": proc.returncode, "hung": hung,

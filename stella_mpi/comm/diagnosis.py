@@ -33,6 +33,22 @@ def set_roster(entries):
     _roster.update({int(r): (str(e[0])[:100], int(e[1])) for r, e in entries.items()})
 
 
+def stopped_here():
+    """'; rank 3 (host h, pid p) is stopped' for the ranks of this host that are stopped now
+    (SIGSTOP, a debugger): what a watchdog without MPI can still tell."""
+    host, found = socket.gethostname(), []
+    for rank, (h, pid) in sorted(_roster.items()):
+        if h != host or pid == os.getpid():
+            continue
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    found.append(describe_rank(rank))
+        except (OSError, IndexError):
+            continue
+    return "; %s %s stopped" % (", ".join(found), "is" if len(found) == 1 else "are") if found else ""
+
+
 def describe_rank(rank):
     host_pid = _roster.get(rank)
     return "rank %d" % rank if host_pid is None else "rank %d (host %s, pid %d)" % (rank, host_pid[0], host_pid[1])

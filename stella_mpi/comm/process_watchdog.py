@@ -18,6 +18,7 @@ import sys
 import time
 
 from ..base.config import launcher_rank_setting, timeout_setting
+from . import diagnosis
 from .abort import record_status
 
 
@@ -28,9 +29,10 @@ def _timeout():
         return 120.0   # init() reports the bad setting
 
 
-def watch(timeout, message, rank):
+def watch(timeout, message, rank, explain=None):
     """Fork a watchdog that kills this process unless the returned pipe end is closed (or this
-    process exits) within ``timeout`` seconds. Returns (write end, child pid), or None."""
+    process exits) within ``timeout`` seconds; ``explain()`` (run in the watchdog, without MPI)
+    adds to the message. Returns (write end, child pid), or None."""
     parent = os.getpid()
     r, w = os.pipe()
     try:
@@ -45,6 +47,11 @@ def watch(timeout, message, rank):
             os.closerange(r + 1, os.sysconf("SC_OPEN_MAX"))
             ready, _, _ = select.select([r], [], [], timeout)
             if not ready:
+                try:
+                    if explain is not None:
+                        message = message.rstrip("\n") + explain() + "\n"
+                except Exception:  # noqa: BLE001 - the message as it is, then
+                    pass
                 try:
                     os.write(2, message.encode(errors="replace"))
                 except OSError:
@@ -84,4 +91,4 @@ def guard_exit(rank):
     timeout = _timeout()
     watch(timeout, "stella_mpi: rank %d: the process did not end within %.0f s (STELLA_TIMEOUT) after the program "
           "did: MPI_Finalize waits for a peer that has stalled, or teardown hangs; ending this process\n"
-          % (rank, timeout), rank)
+          % (rank, timeout), rank, explain=diagnosis.stopped_here)
