@@ -18,7 +18,6 @@ import sys
 import time
 
 from ..base.config import launcher_rank_setting, timeout_setting
-from . import diagnosis
 from .abort import record_status
 
 
@@ -88,6 +87,7 @@ def import_mpi():
 def guard_exit(rank):
     """Arm the deadline of this process's end (MPI_Finalize, interpreter teardown): the watchdog
     kills the process if it is still alive ``STELLA_TIMEOUT`` seconds from now."""
+    from . import diagnosis   # not at the top: it imports MPI, which import_mpi must start first
     timeout = _timeout()
     watch(timeout, "stella_mpi: rank %d: the process did not end within %.0f s (STELLA_TIMEOUT) after the program "
           "did: MPI_Finalize waits for a peer that has stalled, or teardown hangs; ending this process\n"

@@ -255,3 +255,27 @@ def test_nothing_from_a_peer_is_unpickled_outside_the_object_helpers():
     users = sorted(name for name, path in MODULES.items()
                    if {"pickle", "cloudpickle", "dill", "marshal", "shelve"} & _third_party(path))
     assert users == ["stella_mpi.api.functions"], users
+
+
+def _top_level_imports(name):
+    """Modules ``name`` imports when it is imported (statements at module level only)."""
+    path = MODULES[name]
+    tree = ast.parse(open(path).read(), path)
+    body = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[])
+    return _named_imports(name, body)
+
+
+def test_mpi_is_started_only_under_its_watchdog():
+    """stella_mpi/__init__.py runs import_mpi() (MPI_Init under a deadline) first: nothing that
+    import_mpi's module loads may import mpi4py before it does."""
+    seen, todo = set(), ["stella_mpi.comm.process_watchdog"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for target in _top_level_imports(name):
+            assert target.split(".")[0] != "mpi4py", "%s imports mpi4py before MPI_Init is guarded" % name
+            parts = target.split(".")
+            todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES
+                     and ".".join(parts[:i]) != "stella_mpi"]
