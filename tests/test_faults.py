@@ -49,7 +49,8 @@ def test_stalled_rank_hits_the_deadline():
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
     assert "did not complete within 8 s" in out, out[-3000:]
-    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) never came", out), out[-3000:]
+    # rank 1's collective thread still cycles: the others see that it never submitted step.0
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) never submitted it", out), out[-3000:]
     assert "ending the job on every rank" in out
 
 

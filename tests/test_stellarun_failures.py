@@ -32,7 +32,8 @@ def _stellarun(*args, timeout_s=30, env=None):
 @pytest.mark.parametrize("mode,code,says,timeout_s", [
     ("raise", 10, r"rank 1 \(host [^,]+, pid \d+\) failed first: exception: .*boom on purpose", 30),
     ("corrupt", 11, r"failed first: collective: .*rank 1 sent a malformed payload", 30),
-    ("stall", 12, r"failed first: deadline: .*rank 1 \(host [^,]+, pid \d+\) never came", 8),
+    # the stalled rank's collective thread still cycles: the others see it never submitted step.0
+    ("stall", 12, r"failed first: deadline: .*rank 1 \(host [^,]+, pid \d+\) never submitted it", 8),
     ("kill", 13, r"rank 1 \(host [^,]+, pid \d+\) failed first: signal: killed by signal 9 \(SIGKILL\)", 30),
     ("exit", 14, r"rank 1 \(host [^,]+, pid \d+\) failed first: exit: exited with code 3", 30),
 ])

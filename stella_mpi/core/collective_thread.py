@@ -1,4 +1,4 @@
-"""The collective thread: one background thread runs every collective, in submission order.
+"""The collective thread: one background thread runs every collective.
 
 Each public operation becomes an :class:`Op` (a JSON-able description that
 must agree across ranks, plus input tensors and its executor) queued to this
@@ -6,19 +6,28 @@ thread; the caller gets an integer handle (Horovod's model: ``poll``/``synchroni
 Because only this thread talks to MPI and gloo, the training thread keeps
 computing while gradients travel.
 
-Before an op moves any data its ranks agree on it: one all-reduce (MAX) of a
-small int64 vector carrying a hash of the description. Equal hashes cost
-nothing more; different hashes make every rank exchange the descriptions and
-raise the same :class:`TensorMismatchError` naming the ranks and shapes, with
-the ranks still in step. The same vector carries ``join`` state: a rank that
-has joined answers each round with a neutral contribution built from the
-active ranks' description.
+With several ranks the ops are matched by name, as in Horovod (the default,
+``STELLA_NEGOTIATION=name``). The thread cycles every ``HOROVOD_CYCLE_TIME``
+ms. Each cycle runs one negotiation round (:mod:`.negotiation`), then the ops
+that every rank of their process set has submitted, in the agreed order.
+Consecutive small allreduces of one kind are fused into one buffer, up to
+``HOROVOD_FUSION_THRESHOLD`` bytes. When every rank is idle, the cycle backs
+off, and a submission ends the back-off. The stall inspector runs inside the
+rounds: after ``HOROVOD_STALL_CHECK_TIME_SECONDS`` it names each op that some
+ranks have submitted and the ranks missing it. After
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, if set, or after ``STELLA_TIMEOUT``,
+it ends the job.
 
-Any other failure inside a collective (a deadline passed, a transport error)
-leaves the ranks out of step, so it ends the job on every rank at once, with
-a message naming the rank and the cause. From that moment no handle of this
-rank completes as a success: the failed op, every op still queued and every
-later submission raise :class:`HorovodInternalError`, and the process ends
+``STELLA_NEGOTIATION=order`` keeps the older model: ops run in submission
+order, each after a round that checks every rank submitted the same one.
+
+A mismatch (the same name with another shape, dtype or op) raises the same
+:class:`TensorMismatchError` on every rank and leaves the ranks in step. Any
+other failure inside a collective (a deadline passed, a transport error)
+leaves the ranks out of step, so it ends the job on every rank at once, with a
+message naming the rank and the cause. From that moment no handle of this rank
+completes as a success: the failed op, every op still queued and every later
+submission raise :class:`HorovodInternalError`, and the process ends
 (:func:`stella_mpi.comm.abort.end_job`), whichever thread is waiting.
 """
 import hashlib
@@ -30,19 +39,27 @@ import threading
 import time
 import traceback
 
+import logging
+
 import numpy as np
 from mpi4py import MPI
 
 from ..base.errors import (CollectiveRefused, HorovodInternalError, NonFiniteGradientError, StellaTimeoutError,
                            TensorMismatchError)
+from ..comm import diagnosis
 from ..comm.abort import end_job, record_status
+from ..comm.deadline import world_ranks
 from ..comm.messages import allgather_json
-from .executors import neutral_inputs
+from .dtypes import DTYPES
+from .executors import EXECUTORS, neutral_inputs
+from .negotiation import JOINABLE, Negotiator, Pending, describe
 from .nonfinite import has_nonfinite
 
+log = logging.getLogger("stella_mpi")
 _NEUTRAL = np.iinfo(np.int64).min
 _HASH_MASK = (1 << 62) - 1
-JOINABLE = ("allreduce", "barrier")  # as in Horovod: joined ranks contribute zeros to these
+_IDLE_CAP_S = 8e-3      # the longest cycle while every rank is idle or nothing moves
+_FUSIBLE_KEYS = {"kind", "name", "dtype", "shapes", "op", "prescale", "postscale"}
 
 
 class Op:
@@ -70,23 +87,27 @@ class Handle:
         self.post = post   # run on the caller's thread by wait(): the executor's result -> what the caller gets
 
 
-def describe(desc):
-    """One line naming a collective for error messages."""
-    if desc is None:
-        return "nothing (joined)"
-    parts = [desc.get("kind", "?"), repr(desc.get("name", ""))]
-    for key in ("dtype", "shape", "shapes", "trailing", "op", "root", "prescale", "postscale", "compressor", "step"):
-        if key in desc:
-            parts.append("%s=%s" % (key, desc[key]))
-    return " ".join(parts)
-
-
 class CollectiveThread:
     """The background thread and its queue; one per runtime."""
 
-    def __init__(self, rank, config):
+    def __init__(self, rank, config, comm=None, deadline=None, process_set=None, missed=None):
+        """``comm``, ``deadline``: the global process set's communicator and deadline (None: one
+        rank, ops run in submission order); ``process_set(id)``: the registered set of that id;
+        ``missed(name)``: an op this rank did not submit ran (or was refused) in one of its sets."""
         self.rank = rank
         self.config = config
+        self._process_set = process_set
+        self._missed = missed
+        self.negotiator = None
+        if comm is not None and comm.Get_size() > 1 and getattr(config, "negotiation", "order") == "name":
+            # the bit vector's length must be equal everywhere: the smallest capacity wins
+            cap = np.array([config.cache_capacity], dtype=np.int64)
+            agreed = np.empty_like(cap)
+            deadline.wait(comm.Iallreduce(cap, agreed, op=MPI.MIN), "hvd.init(): the response cache's capacity")
+            self.negotiator = Negotiator(comm, deadline, int(agreed[0]))
+        self.stalls_reported = 0
+        self.fused_ops = 0
+        self._current = None
         self._queue = queue.Queue()
         self._handles = {}
         self._ids = itertools.count(1)
@@ -96,7 +117,8 @@ class CollectiveThread:
         self._last_joined = -1
         self.checks = 0
         self.check_seconds = 0.0
-        self._thread = threading.Thread(target=self._loop, name="stella-collectives", daemon=True)
+        self._thread = threading.Thread(target=self._loop if self.negotiator is None else self._named_loop,
+                                        name="stella-collectives", daemon=True)
         self._stopped = False
         self._failure = None   # the HorovodInternalError every handle raises after a fatal failure
         self._thread.start()
@@ -186,6 +208,210 @@ class CollectiveThread:
                 op.handle.done.set()
                 if fatal is not None:
                     end_job("", cause=self._cause(fatal))   # the message is out already; never returns
+
+    # ---------------- the thread, ops matched by name ----------------
+
+    def _named_loop(self):
+        cfg = self.config
+        neg = self.negotiator
+        cycle = max(0.0, cfg.cycle_time_s)
+        pending = {}          # key -> (Op, Pending), in submission order
+        join_op = None
+        announce = False
+        stopping = False
+        report_next = False
+        last_report = 0.0
+        wait_s = cycle
+        start = time.monotonic()
+        try:
+            while True:
+                # collect submissions until the cycle is over (a submission cuts a back-off short)
+                due = start + wait_s
+                while True:
+                    left = due - time.monotonic()
+                    try:
+                        op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    due = min(due, start + cycle)
+                    if op is None:
+                        stopping = True
+                    elif op.kind == "join":
+                        join_op, announce = op, True
+                    else:
+                        self._accept(op, pending)
+                start = time.monotonic()
+                oldest = min((p.since for _, p in pending.values()), default=start)
+                limit = min(self._stall_limits())
+                want_report = start - oldest > limit and start - last_report > max(0.5, limit / 2)
+                if want_report:
+                    last_report = start
+                t0 = time.perf_counter()
+                outcome = neg.round({k: p for k, (_, p) in pending.items()}, announce, stopping, want_report,
+                                    report_next)
+                self.checks += 1
+                self.check_seconds += time.perf_counter() - t0
+                announce = False
+                report_next = outcome.wants_report
+                if outcome.report is not None:
+                    self._inspect(outcome.report, pending, start)
+                self._run_ready(outcome.ready, pending)
+                if outcome.join_done and join_op is not None:
+                    self._finish(join_op, result=outcome.last_joined)
+                    join_op = None
+                if outcome.all_stopping:
+                    gone = HorovodInternalError("rank %d: hvd.shutdown() on every rank before the other ranks "
+                                                "submitted this collective" % self.rank)
+                    for op, _ in pending.values():
+                        self._finish(op, error=gone)
+                    if join_op is not None:
+                        self._finish(join_op, error=gone)
+                    return
+                if outcome.progress:
+                    wait_s = cycle
+                else:
+                    wait_s = min(max(2 * wait_s, 1e-4), max(cycle, _IDLE_CAP_S))
+        except BaseException as e:  # noqa: BLE001 - a failed round or collective ends the job everywhere
+            op = self._current if self._current is not None else None
+            self._fail_named(op, e, pending, join_op)
+            end_job("", cause=self._cause(e))   # the message is out already; never returns
+
+    def _stall_limits(self):
+        cfg = self.config
+        limits = [cfg.timeout_s]
+        if cfg.stall_check_s > 0:
+            limits.append(cfg.stall_check_s)
+        if cfg.stall_shutdown_s > 0:
+            limits.append(cfg.stall_shutdown_s)
+        return limits
+
+    def _accept(self, op, pending):
+        key = (op.pset.process_set_id, op.name)
+        nonfinite = False if op.finite is None else bool(has_nonfinite(op.finite))
+        pending[key] = (op, Pending(key, op.desc, op.pset.ranks, nonfinite, time.monotonic()))
+
+    def _finish(self, op, result=None, error=None):
+        op.handle.result = result
+        op.handle.error = error
+        with self._lock:
+            self._inflight.discard(op.name)
+        op.handle.done.set()
+
+    def _inspect(self, report, pending, now):
+        """The stall inspector: every rank has sent what it has pending. Rank 0 warns, naming
+        each collective that some ranks have submitted and the ranks missing it. A rank whose own op
+        has waited past STELLA_TIMEOUT (or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) ends the job."""
+        cfg = self.config
+        lines = self.negotiator.pending_names(report, {k: p.members for k, (_, p) in pending.items()})
+        if not lines:
+            return
+        text = "\n".join("  %r (process set %d): submitted by rank(s) %s; missing rank(s) %s"
+                         % (key[1], key[0], ", ".join(map(str, have)), ", ".join(map(str, missing)))
+                         for key, have, missing in lines)
+        self.stalls_reported += 1
+        if self.rank == 0 and cfg.stall_check_s > 0:
+            log.warning("stella_mpi: stall inspector: one or more collectives were submitted by some ranks and have "
+                        "waited over %g s for the others:\n%s", min(self._stall_limits()), text)
+        missing_of = {key: missing for key, _, missing in lines}
+        for key, (op, p) in pending.items():
+            if key not in missing_of:
+                continue
+            age = now - p.since
+            setting = "STELLA_TIMEOUT" if age > cfg.timeout_s else \
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" if 0 < cfg.stall_shutdown_s < age else None
+            if setting is not None:
+                self._current = op
+                raise StellaTimeoutError("rank %d: %s did not complete within %.0f s (%s): %s never submitted it\n%s"
+                                         % (self.rank, describe(op.desc), age, setting,
+                                            ", ".join(diagnosis.describe_rank(m) for m in
+                                                      world_ranks(self.negotiator.comm, missing_of[key])), text))
+
+    def _fusible(self, item):
+        d = item.desc
+        return item.error is None and d.get("kind") == "allreduce" and set(d) == _FUSIBLE_KEYS
+
+    def _run_ready(self, ready, pending):
+        """Run the ready ops in the agreed order; consecutive fusible allreduces of one process
+        set, dtype, op and scaling go as one buffer up to the fusion threshold (the same decision
+        on every rank: it depends on the descriptions alone)."""
+        i = 0
+        while i < len(ready):
+            item = ready[i]
+            group = [item]
+            if self._fusible(item):
+                d0 = item.desc
+                sig = (item.key[0], d0["dtype"], d0["op"], d0["prescale"], d0["postscale"])
+                total = _nbytes(d0)
+                while i + len(group) < len(ready):
+                    nxt = ready[i + len(group)]
+                    d = nxt.desc
+                    if not self._fusible(nxt) or (nxt.key[0], d["dtype"], d["op"], d["prescale"], d["postscale"]) \
+                            != sig or total + _nbytes(d) > self.config.fusion_threshold:
+                        break
+                    total += _nbytes(d)
+                    group.append(nxt)
+            i += len(group)
+            if self.rank in item.members:
+                if self._missed is not None:
+                    for g in group:
+                        if g.key not in pending:
+                            self._missed(g.key[1])
+                self._run_group(group, pending)
+
+    def _run_group(self, group, pending):
+        ops = [pending.pop(item.key, (None, None))[0] for item in group]
+        first = group[0]
+        if first.error is not None:
+            if ops[0] is not None:
+                self._finish(ops[0], error=first.error)
+            return
+        pset = ops[0].pset if ops[0] is not None else self._process_set(first.key[0])
+        self._current = next((op for op in ops if op is not None), None)
+        try:
+            if len(group) == 1:
+                op = ops[0]
+                if op is None:
+                    inputs, execute = neutral_inputs(first.desc)
+                else:
+                    inputs, execute = op.inputs, op.execute
+                result = execute(pset, first.desc, inputs, first.joined)
+                if op is not None:
+                    self._finish(op, result=result)
+                return
+            tensors, outputs, shapes, spans = [], [], [], []
+            for item, op in zip(group, ops):
+                ins = op.inputs if op is not None else neutral_inputs(item.desc)[0]
+                spans.append((len(outputs), len(outputs) + len(ins[1])))
+                tensors.extend(ins[0])
+                outputs.extend(ins[1])
+                shapes.extend(item.desc["shapes"])
+            desc = dict(first.desc, shapes=shapes, name="%s (+%d fused)" % (first.desc["name"], len(group) - 1))
+            EXECUTORS["allreduce"].run(pset, desc, (tensors, outputs), first.joined)
+            self.fused_ops += len(group)
+            for (a, b), op in zip(spans, ops):
+                if op is not None:
+                    self._finish(op, result=outputs[a:b])
+        except CollectiveRefused as e:
+            for op in ops:
+                if op is not None:
+                    self._finish(op, error=e)
+        finally:
+            self._current = None
+
+    def _fail_named(self, op, exc, pending, join_op):
+        """The named loop's form of :meth:`_fail_everything`: the op that failed (or the round),
+        every pending op and the join fail, then every queued and later submission."""
+        if op is None:
+            op = Op("negotiation", "negotiation round", {"kind": "negotiation round", "name": ""}, (), None, None)
+            op.handle = Handle(op.name)
+        self._fail_everything(op, exc)
+        for other, _ in pending.values():
+            other.handle.error = self._failure
+            other.handle.done.set()
+        if join_op is not None:
+            join_op.handle.error = self._failure
+            join_op.handle.done.set()
+
 
     def _fail_everything(self, op, exc):
         """After ``op`` failed with ``exc``: it, every queued op and every later one raise, and the
@@ -298,3 +524,7 @@ class CollectiveThread:
             joined = sum(1 for d in descs if d is None)
             inputs, execute = neutral_inputs(desc)
             execute(pset, desc, inputs, joined)
+
+
+def _nbytes(desc):
+    return DTYPES[desc["dtype"]].itemsize * sum(int(np.prod(s, dtype=np.int64)) for s in desc["shapes"])

@@ -10,7 +10,6 @@ a run is left, and ``init()`` starts from scratch. The Horovod API reads the sta
 :func:`current`, which raises Horovod's error before ``init()``.
 """
 import atexit
-import itertools
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from ..comm.pacing import Pacer
 from ..comm.process_watchdog import guard_exit
 from ..comm.topology import cluster_label
 from ..compression.memory import Memory
+from .auto_names import AutoNames
 from .collective_thread import CollectiveThread
 from .counters import WanStats
 from .process_sets import ProcessSet, global_process_set
@@ -72,13 +72,14 @@ class Runtime:
         self.pacer = Pacer(cfg.wan_pace_bps, cfg.wan_pace_delay_s)
         self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
         self.sparse_steps = {}          # name -> steps taken by hvd.allreduce(..., compression=sparse)
-        self._auto_names = {}           # (prefix, process set id) -> counter naming unnamed collectives
-        self._auto_lock = threading.Lock()
+        self.auto_names = AutoNames()   # the counters that name unnamed collectives
         global_process_set.ranks = list(range(self.size))
         self._build(global_process_set, is_global=True)
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
-        self.collective_thread = CollectiveThread(self.rank, cfg)
+        self.collective_thread = CollectiveThread(self.rank, cfg, global_process_set.comms.comm,
+                                                  global_process_set.deadline, self.process_sets.get,
+                                                  self.auto_names.catch_up)
         for ps in process_sets or []:
             self.add_process_set(ps)
         topo = global_process_set.topology
@@ -87,17 +88,22 @@ class Runtime:
                   topo.num_clusters, topo.cluster_rank, topo.cluster_size, global_process_set.intra.name)
 
     def _build(self, ps, is_global):
+        """A process set's clusters are those of the global set's topology: a set with fewer ranks
+        on a node than STELLA_CLUSTERS asks for still knows which cluster each rank is in."""
         cfg = self.config
-        ps._build(self.world, cfg, lambda node_id, lr, ls: cluster_label(cfg, node_id, lr, ls), is_global,
-                  self.wan_stats, self.pacer)
+        if is_global:
+            def label_of(node_id, lr, ls):
+                return cluster_label(cfg, node_id, lr, ls)
+        else:
+            cluster = global_process_set.topology.cluster_id
+
+            def label_of(node_id, lr, ls):
+                return "cluster:%d" % cluster
+        ps._build(self.world, cfg, label_of, is_global, self.wan_stats, self.pacer)
 
     def auto_name(self, prefix, process_set=None):
-        """Horovod-style name for an unnamed op. Counted per process set, so that ranks outside a
-        set (which never submit its ops) keep the same count as the members for the others."""
-        set_id = getattr(process_set, "process_set_id", 0) or 0
-        with self._auto_lock:
-            n = next(self._auto_names.setdefault((prefix, set_id), itertools.count()))
-        return "%s.noname.%d" % (prefix, n) if not set_id else "%s.set%d.noname.%d" % (prefix, set_id, n)
+        """Horovod-style name for an unnamed op (core/auto_names.py)."""
+        return self.auto_names.take(prefix, getattr(process_set, "process_set_id", 0) or 0)
 
     def add_process_set(self, ps):
         try:

@@ -1,0 +1,298 @@
+"""Matching collectives by name across ranks (Horovod's negotiation, without a coordinator).
+
+Ranks may submit collectives in any order. A collective runs once every rank of its process
+set has submitted one with that name, and all ranks run the ready ones in one agreed order.
+Each negotiation *round* involves every rank of the runtime's world and costs one small
+all-reduce:
+
+- **The response cache.** Every (process set, name) that has run once owns a bit, and its
+  description is kept. A rank sets the bit when it has that collective pending with the same
+  description. It also sets the bit when it is not a member of the set, or when it has joined
+  (``hvd.join``). A bitwise AND over the ranks says what is ready everywhere.
+- **New descriptions.** A rank that has a collective the cache does not know (or knows with
+  another description, or whose input is not finite) says so in a small JSON message. Word 0 of
+  the vector tells every rank whether anybody has something to say, and only then do the
+  messages travel, in one allgather. Every rank keeps the same *table* of partly submitted
+  names from these messages. A name is complete when every member that has not joined has
+  described it. Equal descriptions make it ready; different ones raise the same
+  :class:`TensorMismatchError` on every member, naming the ranks and their shapes, and the
+  ranks stay in step.
+
+Every rank applies the same messages and results in the same order, so the cache (LRU
+eviction included), the table and the order of the ready collectives are identical
+everywhere. Nothing is decided by one rank for the others.
+
+Word 0 of the vector holds flags, combined by the same AND:
+
+- bit 0, *quiet*: the rank has nothing to say;
+- bit 1, *stopping*: ``hvd.shutdown``, so the loop ends when all are stopping;
+- bit 2, *idle*: nothing pending and not joined, so all ranks back off alike;
+- bit 3, *no report*: the rank wants no stall report (see :meth:`Negotiator.round`).
+"""
+import json
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from ..base.errors import CollectiveRefused, NonFiniteGradientError, TensorMismatchError
+from ..comm.messages import allgather_json
+
+JOINABLE = ("allreduce", "barrier")  # as in Horovod: joined ranks contribute zeros to these
+
+_QUIET, _STOPPING, _IDLE, _NO_REPORT = 1, 2, 4, 8
+_ALL = (1 << 64) - 1
+
+
+def describe(desc):
+    """One line naming a collective for error messages."""
+    if desc is None:
+        return "nothing (joined)"
+    parts = [desc.get("kind", "?"), repr(desc.get("name", ""))]
+    for key in ("dtype", "shape", "shapes", "trailing", "op", "root", "prescale", "postscale", "compressor", "step"):
+        if key in desc:
+            parts.append("%s=%s" % (key, desc[key]))
+    return " ".join(parts)
+
+
+def canonical(desc):
+    return json.dumps(desc, sort_keys=True, separators=(",", ":"))
+
+
+class Pending:
+    """What the negotiation needs of one locally submitted collective."""
+    __slots__ = ("key", "desc", "djson", "members", "nonfinite", "said", "since")
+
+    def __init__(self, key, desc, members, nonfinite, since):
+        self.key = key              # (process set id, name)
+        self.desc = desc
+        self.djson = canonical(desc)
+        self.members = members      # world ranks of the process set
+        self.nonfinite = nonfinite  # this rank's input holds NaN/Inf
+        self.said = False           # its description went out in a message
+        self.since = since          # monotonic time of submission
+
+
+class _Entry:
+    __slots__ = ("key", "desc", "djson", "members", "bit", "used")
+
+    def __init__(self, key, desc, djson, members, bit, used):
+        self.key, self.desc, self.djson, self.members, self.bit, self.used = key, desc, djson, members, bit, used
+
+
+class Ready:
+    """A collective every member has submitted: run it (``error`` None) or raise ``error``."""
+    __slots__ = ("key", "desc", "members", "joined", "error")
+
+    def __init__(self, key, desc, members, joined, error=None):
+        self.key, self.desc, self.members, self.joined, self.error = key, desc, members, joined, error
+
+
+class Outcome:
+    """What one round decided, the same on every rank."""
+    __slots__ = ("ready", "all_stopping", "all_idle", "progress", "join_done", "last_joined", "report",
+                 "wants_report")
+
+    def __init__(self):
+        self.ready = []            # [Ready] in the agreed order
+        self.all_stopping = False
+        self.all_idle = False
+        self.progress = False      # anything ready or said: keep cycling fast
+        self.join_done = False
+        self.last_joined = -1
+        self.report = None         # {world rank: [[set id, name], ...]}: what each rank has pending
+        self.wants_report = False  # a rank asked for everyone's pending list in the next round
+
+
+class Negotiator:
+    """The agreed state of one runtime: response cache, table of partly submitted names, joined
+    ranks. ``comm``: the global process set's communicator (its ranks are the world ranks)."""
+
+    def __init__(self, comm, deadline, capacity):
+        self.comm = comm
+        self.deadline = deadline
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.capacity = max(0, int(capacity))
+        self.words = 1 + math.ceil(self.capacity / 64)
+        self.cache = {}                          # key -> _Entry
+        self.by_bit = [None] * self.capacity     # bit -> _Entry
+        self.table = {}                          # key -> {"members": [...], "descs": {rank: (desc, djson, nonfinite)}}
+        self.joined = []                         # world ranks that have joined, in the agreed order
+        self.rounds = 0
+        self.messages = 0                        # rounds that needed the allgather of descriptions
+
+    # ---------------- one round ----------------
+
+    def round(self, pending, joining, stopping, want_report, report_now):
+        """Run one round. ``pending``: this rank's :class:`Pending` collectives (by key);
+        ``joining``: this rank has called ``join()`` and not yet announced it (it is announced in
+        this round); ``want_report``: ask every
+        rank for its pending list next round (the stall inspector); ``report_now``: the last
+        round asked for one, so send it."""
+        self.rounds += 1
+        vec = np.zeros(self.words, dtype=np.uint64)
+        bits = vec[1:]
+        joined_me = self.rank in self.joined
+        said = []
+        for p in pending.values():
+            entry = self.cache.get(p.key)
+            if p.said:
+                continue
+            if (entry is not None and entry.djson == p.djson and entry.members == p.members and not p.nonfinite
+                    and p.key not in self.table):
+                bits[entry.bit >> 6] |= np.uint64(1 << (entry.bit & 63))
+                continue
+            said.append([p.key[0], p.key[1], p.members, p.desc, bool(p.nonfinite)])
+            p.said = True
+        for entry in self.cache.values():
+            if joined_me or self.rank not in entry.members:
+                bits[entry.bit >> 6] |= np.uint64(1 << (entry.bit & 63))
+        message = {}
+        if said:
+            message["new"] = said
+        if joining:
+            message["join"] = True
+        if report_now:
+            message["pending"] = [list(k) for k in pending]
+        flags = 0
+        if not message:
+            flags |= _QUIET
+        if stopping:
+            flags |= _STOPPING
+        if not pending and not joining and not joined_me:
+            flags |= _IDLE
+        if not want_report:
+            flags |= _NO_REPORT
+        vec[0] = np.uint64(flags)
+        out = np.empty_like(vec)
+        self.deadline.wait(self.comm.Iallreduce(vec, out, op=MPI.BAND), "negotiation round")
+        head = int(out[0])
+        result = Outcome()
+        result.all_stopping = bool(head & _STOPPING)
+        result.all_idle = bool(head & _IDLE)
+        wants_report = not (head & _NO_REPORT)
+        messages = None
+        if not head & _QUIET:
+            self.messages += 1
+            messages = allgather_json(self.comm, message, self.deadline, "negotiation messages")
+            result.progress = True
+        # 1. what the cache says is ready everywhere (bit order)
+        for word in np.flatnonzero(out[1:]):
+            value = int(out[1 + word])
+            while value:
+                low = value & -value
+                bit = (int(word) << 6) + low.bit_length() - 1
+                value ^= low
+                entry = self.by_bit[bit] if bit < self.capacity else None
+                if entry is None:
+                    continue
+                joined = [r for r in entry.members if r in self.joined]
+                if len(joined) == len(entry.members):
+                    continue   # nobody active: set by joined ranks alone
+                entry.used = self.rounds
+                result.ready.append(self._ready(entry.key, entry.desc, entry.members, len(joined)))
+        # 2. the messages, in rank order
+        if messages is not None:
+            for r, msg in enumerate(messages):
+                if not isinstance(msg, dict):
+                    raise ValueError("negotiation: malformed message from rank %d: %r" % (r, msg))
+                for item in msg.get("new", ()):
+                    self._learn(r, item)
+                if msg.get("join") and r not in self.joined:
+                    self.joined.append(r)
+                if "pending" in msg:
+                    result.report = result.report or {}
+                    result.report[r] = [tuple(k) for k in msg["pending"]]
+        # 3. names now described by every active member (table order)
+        for key in list(self.table):
+            row = self.table[key]
+            active = [r for r in row["members"] if r not in self.joined]
+            if not active or any(r not in row["descs"] for r in active):
+                continue
+            del self.table[key]
+            result.ready.append(self._complete(key, row, active))
+        if len(self.joined) == self.size:
+            result.join_done = True
+            result.last_joined = self.joined[-1]
+            self.joined = []
+        if result.ready:
+            result.progress = True
+        result.wants_report = wants_report
+        return result
+
+    # ---------------- applying what the round said ----------------
+
+    def _learn(self, r, item):
+        try:
+            set_id, name, members, desc, nonfinite = item
+            key = (int(set_id), str(name))
+            members = [int(m) for m in members]
+        except (TypeError, ValueError):
+            raise ValueError("negotiation: malformed description from rank %d: %r" % (r, item)) from None
+        if r not in members or not isinstance(desc, dict):
+            raise ValueError("negotiation: rank %d described %r for a set it is not in" % (r, key))
+        row = self.table.setdefault(key, {"members": members, "descs": {}})
+        row["descs"][r] = (desc, canonical(desc), bool(nonfinite))
+
+    def _ready(self, key, desc, members, njoined):
+        error = None
+        if njoined and desc.get("kind") not in JOINABLE:
+            error = CollectiveRefused("%s is not supported while %d rank(s) have joined (hvd.join); only allreduce "
+                                      "and barrier are" % (describe(desc), njoined))
+        return Ready(key, desc, members, njoined, error)
+
+    def _complete(self, key, row, active):
+        descs = row["descs"]
+        djsons = {descs[r][1] for r in active}
+        njoined = len(row["members"]) - len(active)
+        first = descs[active[0]][0]
+        if len(djsons) > 1:
+            lines = ["ranks submitted different collectives under the name %r:" % key[1]]
+            for r in active:
+                lines.append("  rank %d: %s" % (r, describe(descs[r][0])))
+            return Ready(key, first, row["members"], njoined, TensorMismatchError("\n".join(lines)))
+        bad = [r for r in active if descs[r][2]]
+        if bad:
+            return Ready(key, first, row["members"], njoined, NonFiniteGradientError(
+                "a non-finite gradient (NaN or Inf) on rank %s in %s; refused on every rank"
+                % (", ".join(map(str, bad)), describe(first))))
+        self._remember(key, first, descs[active[0]][1], row["members"])
+        return self._ready(key, first, row["members"], njoined)
+
+    def _remember(self, key, desc, djson, members):
+        if not self.capacity:
+            return
+        entry = self.cache.get(key)
+        if entry is not None:
+            entry.desc, entry.djson, entry.members, entry.used = desc, djson, members, self.rounds
+            return
+        if len(self.cache) < self.capacity:
+            bit = len(self.cache)
+        else:   # the least recently used entry makes room (the same one on every rank)
+            victim = min(self.cache.values(), key=lambda e: (e.used, e.bit))
+            del self.cache[victim.key]
+            bit = victim.bit
+        entry = _Entry(key, desc, djson, members, bit, self.rounds)
+        self.cache[key] = entry
+        self.by_bit[bit] = entry
+
+    def pending_names(self, report, members_of):
+        """Lines naming, for each collective some ranks have pending, the ranks that have not
+        submitted it. ``report``: :attr:`Outcome.report`."""
+        holders = {}
+        for r, keys in sorted(report.items()):
+            for key in keys:
+                holders.setdefault(key, []).append(r)
+        lines = []
+        for key, have in holders.items():
+            members = members_of.get(key)
+            if members is None:
+                row = self.table.get(key)
+                entry = self.cache.get(key)
+                members = row["members"] if row else entry.members if entry else list(range(self.size))
+            active = [r for r in members if r not in self.joined]
+            missing = [r for r in active if r not in have]
+            if missing:
+                lines.append((key, have, missing))
+        return lines
