@@ -51,7 +51,7 @@ def run_step(bucket_list, config, step):
     if config["compression"] is None:
         handles = [hvd.grouped_allreduce_async_(b, name="bench.dense.%d" % i) for i, b in enumerate(bucket_list)]
     else:
-        handles = [hvd.sparse_allreduce_async(b, config["compression"], "bench.%s.%d" % (config["label"], i),
+        handles = [hvd.compressed_allreduce_async(b, config["compression"], "bench.%s.%d" % (config["label"], i),
                                               step=step, inplace=True) for i, b in enumerate(bucket_list)]
     for h in handles:
         hvd.synchronize(h)

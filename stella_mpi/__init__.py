@@ -13,10 +13,10 @@ from .comm.process_watchdog import import_mpi as _import_mpi
 _import_mpi()   # first: MPI_Init waits for every rank, under the STELLA_TIMEOUT deadline
 
 from .adjust.settings import Adjuster  # noqa: F401,E402
-from .api.allgather import allgather, allgather_async, grouped_allgather  # noqa: F401,E402
-from .api.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce,  # noqa: F401,E402
-                            grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                            sparse_allreduce_async)
+from .api.allgather import allgather, allgather_async, grouped_allgather, grouped_allgather_async  # noqa: F401,E402
+from .api.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,  # noqa: F401,E402
+                            compressed_allreduce_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                            grouped_allreduce_async_)
 from .api.alltoall import alltoall, alltoall_async  # noqa: F401,E402
 from .api.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_  # noqa: F401,E402
 from .api.control import barrier, join  # noqa: F401,E402
@@ -30,7 +30,10 @@ from .api.queries import (ccl_built, cluster_id, cluster_rank, cluster_size, cro
                           mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, num_clusters, rank, rocm_built,
                           size)
 from .api.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401,E402
-from .api.reducescatter import grouped_reducescatter, reducescatter, reducescatter_async  # noqa: F401,E402
+from .api.sparse_tensors import sparse_allreduce_async  # noqa: F401,E402
+from .api.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
+from .api.reducescatter import (grouped_reducescatter, grouped_reducescatter_async, reducescatter,  # noqa: F401,E402
+                                reducescatter_async)
 from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401,E402
 from .compression import Compression  # noqa: F401,E402
 from .core.process_sets import ProcessSet, global_process_set  # noqa: F401,E402

@@ -4,7 +4,7 @@ import torch
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
 from .allreduce import allreduce
-from .handles import auto_name, host, submit, synchronize
+from .handles import GroupHandle, auto_name, host, submit, synchronize
 from .reduce_ops import Average
 from .validation import check_rows_call, check_tensor
 
@@ -46,10 +46,21 @@ def allgather(tensor, name=None, process_set=global_process_set):
     return synchronize(allgather_async(tensor, name, process_set))
 
 
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Allgather each tensor of the list (all submitted at once); ``synchronize`` returns the list."""
+    for t in tensors:
+        check_tensor(t, "hvd.grouped_allgather")
+    base = name or auto_name("grouped_allgather", process_set)
+    return GroupHandle([allgather_async(t, "%s_%dof%d" % (base, i + 1, len(tensors)), process_set)
+                        for i, t in enumerate(tensors)])
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     for t in tensors:
         check_tensor(t, "hvd.grouped_allgather")
     if not tensors:
         return []
-    base = name or auto_name("grouped_allgather", process_set)
-    return [allgather(t, "%s_%dof%d" % (base, i + 1, len(tensors)), process_set) for i, t in enumerate(tensors)]
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        base = name or auto_name("grouped_allgather", process_set)
+        return [allgather(t, "%s_%dof%d" % (base, i + 1, len(tensors)), process_set) for i, t in enumerate(tensors)]
+    return synchronize(grouped_allgather_async(tensors, name, process_set))

@@ -79,7 +79,7 @@ class _AllreduceFn(torch.autograd.Function):
                          process_set=process_set), None, None, None, None, None
 
 
-def sparse_allreduce_async(tensors, compression, name, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+def compressed_allreduce_async(tensors, compression, name, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                            process_set=global_process_set, memory=None, step=None, inplace=False):
     """Reduce float32 tensors (fused) over all ranks through a sparse compressor on the
     cross-cluster hop: dense inside each cluster, compressed across clusters
@@ -126,7 +126,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         if tensor.requires_grad and torch.is_grad_enabled():
             raise ValueError("hvd.allreduce: autograd does not pass through a sparse compressor; detach the "
                              "tensor (sparse compression is meant for gradients)")
-        return synchronize(sparse_allreduce_async([tensor], compression, name, op, prescale_factor,
+        return synchronize(compressed_allreduce_async([tensor], compression, name, op, prescale_factor,
                                                   postscale_factor, process_set))[0]
     if getattr(compression, "sparse", False):
         compression = Compression.none  # integer and 16-bit tensors take the dense route

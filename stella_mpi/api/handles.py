@@ -50,13 +50,37 @@ def submit(kind, name, desc, inputs, pset, post, finite=None):
     return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset, finite), post)
 
 
+class GroupHandle:
+    """The handle of a grouped call that runs one collective per tensor (``grouped_allgather_async``,
+    ``grouped_reducescatter_async``): ``synchronize`` returns the list of outputs."""
+    __slots__ = ("handles",)
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+
 def poll(handle):
     """True when the op behind ``handle`` has finished (``synchronize`` will not wait)."""
+    if isinstance(handle, GroupHandle):
+        return all(poll(h) for h in handle.handles)
     return collective_thread("hvd.poll").poll(handle)
 
 
 def synchronize(handle):
-    """Wait for an async op and return its output (None for an unknown handle, as in Horovod)."""
+    """Wait for an async op and return its output (None for an unknown handle, as in Horovod).
+    The function ``sparse_allreduce_async`` returns is a handle too: it is called."""
+    if isinstance(handle, GroupHandle):
+        outputs, error = [], None
+        for h in handle.handles:   # every member is waited for, even after one failed
+            try:
+                outputs.append(synchronize(h))
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others
+                error = error or e
+        if error is not None:
+            raise error
+        return outputs
+    if callable(handle):
+        return handle()
     thread = collective_thread("hvd.synchronize")
     if not thread.known(handle):
         return None

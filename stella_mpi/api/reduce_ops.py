@@ -4,7 +4,7 @@ import warnings
 import torch
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-OP_NAMES = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+OP_NAMES = {Average: "average", Sum: "sum", Adasum: "adasum", Min: "min", Max: "max", Product: "product"}
 
 
 def handle_average_backwards_compatibility(op, average):
@@ -20,12 +20,12 @@ def handle_average_backwards_compatibility(op, average):
 
 def op_name(op, dtype):
     """The description's name of ``op`` for tensors of ``dtype`` (a clear error if it has none)."""
-    if op == Adasum:
-        raise NotImplementedError("stella_mpi does not implement Adasum yet; use op=hvd.Average or hvd.Sum")
     try:
         name = OP_NAMES[op]
     except KeyError:
-        raise ValueError("unknown reduction op %r; use hvd.Average, Sum, Min, Max or Product" % (op,)) from None
+        raise ValueError("unknown reduction op %r; use hvd.Average, Sum, Adasum, Min, Max or Product" % (op,)) from None
+    if name == "adasum" and not dtype.is_floating_point:
+        raise TypeError("op Adasum takes floating-point tensors, not %s" % dtype)
     if dtype == torch.bool and name in ("average", "sum", "product"):
         raise TypeError("op %s is not defined for bool tensors; use hvd.Min (and) or hvd.Max (or)" % name)
     return name

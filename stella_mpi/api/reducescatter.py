@@ -5,7 +5,7 @@ from ..compression import Compression
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
 from .allgather import allgather
-from .handles import auto_name, host, submit, synchronize
+from .handles import GroupHandle, auto_name, host, submit, synchronize
 from .reduce_ops import Average, Sum, op_name
 from .validation import check_rows_call, check_tensor, dense_compression
 
@@ -13,6 +13,9 @@ from .validation import check_rows_call, check_tensor, dense_compression
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     pset = check_rows_call("hvd.reducescatter", tensor, process_set, "reducescatter")
+    if op not in (Average, Sum):   # Horovod's RuntimeError: reducescatter sums or averages only
+        raise NotImplementedError("hvd.reducescatter supports op=hvd.Average or hvd.Sum, as in Horovod (got op %r)"
+                                  % (op,))
     opname = op_name(op, tensor.dtype)
     name = name or auto_name("reducescatter", pset)
     desc = {"kind": "reducescatter", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
@@ -51,6 +54,16 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     return compression.decompress(out, ctx)
 
 
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    """Reduce-scatter each tensor of the list (all submitted at once); ``synchronize`` returns the list."""
+    for t in tensors:
+        check_tensor(t, "hvd.grouped_reducescatter")
+    base = name or auto_name("grouped_reducescatter", process_set)
+    return GroupHandle([reducescatter_async(t, "%s_%dof%d" % (base, i + 1, len(tensors)), op, process_set,
+                                            prescale_factor, postscale_factor) for i, t in enumerate(tensors)])
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     for t in tensors:
@@ -58,5 +71,9 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     if not tensors:
         return []
     base = name or auto_name("grouped_reducescatter", process_set)
+    compression = dense_compression(compression, "hvd.grouped_reducescatter")
+    if compression is Compression.none and not (any(t.requires_grad for t in tensors) and torch.is_grad_enabled()):
+        return synchronize(grouped_reducescatter_async(tensors, base, op, process_set, prescale_factor,
+                                                       postscale_factor))
     return [reducescatter(t, "%s_%dof%d" % (base, i + 1, len(tensors)), compression, op, process_set,
                           prescale_factor, postscale_factor) for i, t in enumerate(tensors)]

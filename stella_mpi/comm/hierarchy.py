@@ -28,6 +28,7 @@ import torch
 from mpi4py import MPI
 
 from .._native.dense import accumulate as _accumulate_f32
+from .adasum import adasum_allreduce
 from .buffers import byte_view, displacements, mpi_view, split_counts
 from .intra import MPI_OPS
 from .pacing import Pacer
@@ -139,6 +140,29 @@ class Hierarchy:
             self.intra.allreduce(buf, op)
             return
         self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))
+
+    def adasum(self, buf, spans):
+        """Adasum of ``buf`` (flat float64) over all ranks, in place, each span on its own. One
+        cluster: Adasum over its ranks. Several: the sum inside each cluster, then Adasum across
+        the clusters' sums (as Horovod's hierarchical Adasum sums inside a node)."""
+        topo = self.topo
+        if topo.size == 1:
+            return
+        if topo.num_clusters == 1:
+            adasum_allreduce(buf, spans, self.comms.comm, self.deadline)
+            return
+        if topo.cluster_size > 1:
+            self.intra.reduce(buf, "sum", root=0)
+        if topo.cluster_rank == 0:
+            levels = max(1, (topo.num_clusters - 1).bit_length())
+            moved = buf.numel() * buf.element_size() * levels
+            self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=levels, elements=buf.numel(),
+                           entries_sent=buf.numel())
+            started = time.monotonic()
+            adasum_allreduce(buf, spans, self.comms.leaders, self.deadline)
+            self.pacer.pace(moved, started)
+        if topo.cluster_size > 1:
+            self.intra.bcast(buf, root=0)
 
     def cross_reduce(self, buf, op, comm, wire_dtype=None):
         """The dense cross-cluster step: reduce ``buf`` in place over ``comm`` (one rank per

@@ -19,7 +19,7 @@ def dtype_name(dtype):
 
 def identity(op, dtype):
     """The neutral element of ``op`` in ``dtype`` (what a joined rank contributes)."""
-    if op in ("sum", "average"):
+    if op in ("sum", "average", "adasum"):   # a zero vector leaves an Adasum unchanged
         return 0
     if op == "product":
         return 1

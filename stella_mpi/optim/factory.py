@@ -7,6 +7,7 @@ from ..api.reduce_ops import Adasum, Average
 from ..compression import Compression
 from ..core import state
 from ..core.process_sets import global_process_set
+from .adasum import _DistributedAdasumOptimizer
 from .cpu_engine import make_cpu_engine_optimizer
 from .synchronous import _DistributedOptimizer
 
@@ -60,7 +61,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if groups is None:
             groups = num_groups
     if op == Adasum:
-        raise NotImplementedError("stella_mpi does not implement Adasum yet; use op=hvd.Average")
+        if adjuster is not None:
+            raise ValueError("op=hvd.Adasum combines whole deltas: it takes no adjuster")
+        cls = type(optimizer.__class__.__name__, (_DistributedAdasumOptimizer, optimizer.__class__), {})
+        cls._stella_base_class = optimizer.__class__
+        return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, process_set)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     cls._stella_base_class = optimizer.__class__
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import torch
 
 from ..adjust.session import AdjustedOptimizer, adjust_session
-from ..api.allreduce import allreduce_tensors_async, inplace_outputs, sparse_allreduce_async
+from ..api.allreduce import allreduce_tensors_async, compressed_allreduce_async, inplace_outputs
 from ..api.handles import synchronize
+from ..api.sparse_tensors import sparse_allreduce_async
 from ..api.reduce_ops import Average, Max, Min, Product, Sum, op_name
 from ..base.errors import NonFiniteGradientError
 from ..compression import Compression, Memory
@@ -25,7 +26,9 @@ class _SyncBucket(Bucket):
     def __init__(self, index, params):
         super().__init__(index, params)
         self.handle = None       # the bucket's collective in flight
-        self.compressed = None   # [(tensor reduced, compression context)] per parameter
+        self.compressed = None   # [(tensor reduced, compression context)] per parameter of ``dense``
+        self.dense = params      # the parameters whose gradients go through ``handle``
+        self.sparse = []         # [(parameter, wait)]: sparse gradients, gathered as Horovod does
 
 
 class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
@@ -48,9 +51,11 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._predivide = float(gradient_predivide_factor)
         self._process_set = process_set
         self._sparse_as_dense = sparse_as_dense
+        self._densified = set()   # parameters whose sparse gradient was made dense for this step
         self.backward_passes_per_step = backward_passes_per_step
 
         self._names = parameter_names(self.param_groups, named_parameters)
+        self._parameter_names = self._names   # Horovod's attribute: {parameter: name}
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if groups is None or groups == 0:
             cap = state.current().config.fusion_threshold
@@ -80,15 +85,26 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
     def _grad_of(self, p):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        elif p.grad.is_sparse:
-            if not self._sparse_as_dense:
-                raise ValueError("parameter %r has a sparse gradient; pass sparse_as_dense=True to "
-                                 "DistributedOptimizer" % self._names.get(p))
+        elif p.grad.is_sparse:   # sparse_as_dense: reduced dense, handed back sparse (SparseAdam needs that)
             p.grad = p.grad.to_dense()
+            self._densified.add(p)
         return p.grad
 
     def _launch(self, bucket):
-        grads = [self._grad_of(p) for p in bucket.params]
+        bucket.sparse, bucket.dense = [], []
+        for p in bucket.params:
+            if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+                if self._op not in (Average, Sum):
+                    raise ValueError("DistributedOptimizer: parameter %r has a sparse gradient, which is gathered "
+                                     "and summed; op must be Average or Sum (or pass sparse_as_dense=True)"
+                                     % self._names[p])
+                bucket.sparse.append((p, sparse_allreduce_async(p.grad, "DistributedOptimizer.sparse." + self._names[p],
+                                                                self._op, self._process_set)))
+            else:
+                bucket.dense.append(p)
+        if not bucket.dense:
+            return
+        grads = [self._grad_of(p) for p in bucket.dense]
         name = bucket.name("DistributedOptimizer.bucket", self._names)
         if self._op == Average:
             prescale, postscale = 1.0 / self._predivide, self._predivide
@@ -97,7 +113,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         if self._sparse and grads[0].dtype == torch.float32:
             tensors = [g.contiguous() for g in grads]
             bucket.compressed = [(t, None) for t in tensors]
-            bucket.handle = sparse_allreduce_async(
+            bucket.handle = compressed_allreduce_async(
                 tensors, self._compression, name, self._op, prescale, postscale, self._process_set,
                 memory=self._memory, step=self._step_count, inplace=True)
             return
@@ -133,14 +149,21 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 except NonFiniteGradientError as e:
                     refused.append((bucket, e))
                 else:
-                    for p, (c, ctx) in zip(bucket.params, bucket.compressed):
+                    for p, (c, ctx) in zip(bucket.dense, bucket.compressed):
                         out = c if ctx is None else self._compression.decompress(c, ctx)
                         if out is not p.grad:
                             p.grad.copy_(out)
                 if self._adjust is not None:
                     self._adjust.idle(time.perf_counter() - t0)
+            for p, wait in bucket.sparse:
+                p.grad = wait()
+            for p in bucket.dense:
+                if p in self._densified:
+                    p.grad = p.grad.to_sparse()
             bucket.handle = None
             bucket.compressed = None
+            bucket.sparse = []
+        self._densified.clear()
         self._start_step()
         for p in self._params:
             self._passes[p] = self.backward_passes_per_step

@@ -7,17 +7,18 @@ from mpi_launch import ROOT
 
 PUBLIC = {
     "Adasum", "Adjuster", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product", "Sum", "TensorMismatchError",
-    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "ccl_built", "cluster_id", "cluster_rank", "cluster_size", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
-    "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "num_clusters", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
-    "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stats", "stop_timeline", "synchronize"
+    "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
+    "TensorMismatchError", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "cluster_id", "cluster_rank", "cluster_size",
+    "compressed_allreduce_async", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
+    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "num_clusters", "poll",
+    "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "stats", "stop_timeline", "synchronize"
 }
 
 SCRIPT = r'''

@@ -20,6 +20,8 @@ def execute_allreduce(pset, desc, inputs, joined):
     tensors, outputs = inputs
     dtype = DTYPES[desc["dtype"]]
     op = desc["op"]
+    if op == "adasum":
+        return _adasum(pset, desc, tensors, outputs)
     buf, direct = fuse(tensors, outputs, compute_dtype(dtype))
     if desc["prescale"] != 1.0:
         scale(buf, desc["prescale"])
@@ -30,6 +32,23 @@ def execute_allreduce(pset, desc, inputs, joined):
         factor = factor / pset.nranks
     if factor != 1.0:
         scale(buf, factor)
+    if not direct:
+        unfuse(buf, outputs)
+    return outputs
+
+
+def _adasum(pset, desc, tensors, outputs):
+    """op=Adasum: each tensor combined on its own (comm/adasum.py), in float64."""
+    buf, direct = fuse(tensors, outputs, torch.float64)
+    spans, pos = [], 0
+    for t in tensors:
+        spans.append((pos, pos + t.numel()))
+        pos += t.numel()
+    if desc["prescale"] != 1.0:
+        scale(buf, desc["prescale"])
+    pset.hierarchy.adasum(buf, spans)
+    if desc["postscale"] != 1.0:
+        scale(buf, desc["postscale"])
     if not direct:
         unfuse(buf, outputs)
     return outputs

@@ -1,0 +1,156 @@
+"""The cost of matching collectives by name (STELLA_NEGOTIATION=name, the default) against the
+older per-collective agreement round in submission order (STELLA_NEGOTIATION=order), side by
+side in one run, the two modes alternating (hvd.shutdown() and hvd.init() between them):
+
+    mpirun -np 2 .venv/bin/python bench/bench_negotiation.py
+    mpirun -np 4 -env STELLA_CLUSTERS 2 .venv/bin/python bench/bench_negotiation.py
+
+Per mode it measures:
+- one small collective: the mean time of a synchronous 1-element allreduce (a cached name);
+- one DistributedOptimizer step (forward, backward, reduction, update), median, on the byte LM
+  of examples/ (2.4M parameters) and the 25.2M-parameter MLP of the comm workload;
+- 200 tensors of 1 KB allreduced in one step: all submitted, then all synchronized. With
+  negotiation by name they are fused. The same 200 are also run one collective each
+  (submit, wait, next).
+
+It reports each figure and the ratios name/order, plus fused against one-by-one. Results go to
+bench/results/negotiation_np<N>.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import stella_mpi as hvd  # noqa: E402
+from e2e_train import RandomTask, comm_heavy_model  # noqa: E402
+from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
+from stella_mpi.core import state  # noqa: E402
+
+
+def small_collective(reps):
+    t = torch.ones(1)
+    for _ in range(20):
+        hvd.allreduce(t, name="bench.small")
+    hvd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        hvd.allreduce(t, name="bench.small")
+    return (time.perf_counter() - t0) / reps
+
+
+def optimizer_steps(make, steps):
+    model, batch = make()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    times = []
+    for step in range(steps + 1):
+        x, y = batch()
+        hvd.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def many_small(count, one_by_one):
+    tensors = [torch.full((256,), float(i)) for i in range(count)]   # 1 KB each
+    hvd.barrier()
+    t0 = time.perf_counter()
+    if one_by_one:
+        for i, t in enumerate(tensors):
+            hvd.synchronize(hvd.allreduce_async(t, name="bench.many.%d" % i, op=hvd.Sum))
+    else:
+        handles = [hvd.allreduce_async(t, name="bench.many.%d" % i, op=hvd.Sum) for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+    return time.perf_counter() - t0
+
+
+def measure(mode, makes, args):
+    os.environ["STELLA_NEGOTIATION"] = mode
+    hvd.init()
+    try:
+        thread = state.current().collective_thread
+        row = {"small_collective_s": small_collective(args.reps)}
+        for name, make in makes.items():
+            row["step_s." + name] = optimizer_steps(make, args.steps)
+        many_small(args.count, False)   # warm the names
+        row["many_small_submitted_s"] = statistics.median(many_small(args.count, False) for _ in range(3))
+        row["many_small_one_by_one_s"] = statistics.median(many_small(args.count, True) for _ in range(3))
+        row["rounds"] = thread.checks
+        row["round_mean_s"] = thread.check_seconds / max(thread.checks, 1)
+        row["fused_ops"] = thread.fused_ops
+        return row
+    finally:
+        hvd.shutdown()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size, clusters = hvd.rank(), hvd.size(), hvd.num_clusters()
+    hvd.shutdown()
+    corpus = load_corpus(4_000_000)
+    lm_data = ByteBatches(corpus, 32, 64, seed=1 + rank)
+    task = RandomTask(rank, 32)
+
+    def lm():
+        torch.manual_seed(0)
+        return ByteMLP(32, hidden=1024), lm_data.next
+
+    def mlp():
+        torch.manual_seed(0)
+        return comm_heavy_model(), task.next
+
+    makes = {"lm_2.4M": lm, "mlp_25M": mlp}
+    samples = {"order": [], "name": []}
+    for _ in range(args.rounds):
+        for mode in ("order", "name"):
+            samples[mode].append(measure(mode, makes, args))
+    hvd.init()
+    summary = {}
+    for mode, rows in samples.items():
+        keys = [k for k in rows[0] if k.endswith("_s")]
+        local = torch.tensor([statistics.median(r[k] for r in rows) for k in keys], dtype=torch.float64)
+        worst = hvd.allreduce(local, op=hvd.Max, name="bench.summary." + mode)   # the slowest rank decides
+        summary[mode] = dict(zip(keys, worst.tolist()))
+        summary[mode]["rounds"] = rows[-1]["rounds"]
+        summary[mode]["fused_ops"] = rows[-1]["fused_ops"]
+    if rank == 0:
+        o, n = summary["order"], summary["name"]
+        print("%d ranks, %d cluster(s); medians over %d rounds, slowest rank" % (size, clusters, args.rounds))
+        print("%-34s %12s %12s %8s" % ("", "order", "name", "name/order"))
+        for k in [k for k in o if k.endswith("_s")]:
+            print("%-34s %10.3f ms %10.3f ms %8.3f" % (k[:-2], 1e3 * o[k], 1e3 * n[k], n[k] / o[k]))
+        print("200 x 1 KB, name mode: submitted together (fused) %.1f ms, one by one %.1f ms: %.1fx faster fused"
+              % (1e3 * n["many_small_submitted_s"], 1e3 * n["many_small_one_by_one_s"],
+                 n["many_small_one_by_one_s"] / n["many_small_submitted_s"]))
+        print("200 x 1 KB submitted together: order mode (each its own round) %.1f ms, name mode %.1f ms: %.1fx"
+              % (1e3 * o["many_small_submitted_s"], 1e3 * n["many_small_submitted_s"],
+                 o["many_small_submitted_s"] / n["many_small_submitted_s"]))
+        out = args.out or os.path.join(HERE, "results", "negotiation_np%d.json" % size)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "size": size, "clusters": clusters, "results": summary}, f,
+                      indent=1)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
