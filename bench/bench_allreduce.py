@@ -92,10 +92,15 @@ def main():
         print("  stella_mpi hierarchical  %8.1f ms" % result["stella_hierarchical_ms"])
         print("  torch.distributed gloo   %8.1f ms" % result["gloo_flat_ms"])
         print("  ratio gloo / stella      %8.2f x" % result["ratio_gloo_over_stella"])
-        print("agreement check: 1-element allreduce %.1f us with the check, %.1f us without (%.1f us per "
-              "agreement round on average)" % (result["small_allreduce_us_with_check"],
-                                                result["small_allreduce_us_without_check"],
-                                                result["agreement_round_us_mean"]))
+        if eng.negotiator is not None:   # STELLA_CHECK_COLLECTIVES only matters in order mode
+            print("negotiation by name: 1-element allreduce %.1f us (%.1f us per round on average); "
+                  "bench/bench_negotiation.py compares it with the agreement round of STELLA_NEGOTIATION=order"
+                  % (result["small_allreduce_us_with_check"], result["agreement_round_us_mean"]))
+        else:
+            print("agreement check: 1-element allreduce %.1f us with the check, %.1f us without (%.1f us per "
+                  "agreement round on average)" % (result["small_allreduce_us_with_check"],
+                                                    result["small_allreduce_us_without_check"],
+                                                    result["agreement_round_us_mean"]))
         os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "allreduce.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -10,13 +10,17 @@ Per mode it measures:
 - one DistributedOptimizer step (forward, backward, reduction, update), median, on the byte LM
   of examples/ (2.4M parameters) and the 25.2M-parameter MLP of the comm workload;
 - 200 tensors of 1 KB allreduced in one step: all submitted, then all synchronized. With
-  negotiation by name they are fused. The same 200 are also run one collective each
-  (submit, wait, next).
+  negotiation by name they are fused. In name mode the same 200 also run with fusion off (one
+  collective each, still negotiated together), and one at a time (submit, wait, next).
+
+Under ``stellarun --wan RATE --wan-delay D`` every message between the clusters crosses the
+emulated link. That includes the negotiation rounds and the order mode's agreement rounds.
 
 It reports each figure and the ratios name/order, plus fused against one-by-one. Results go to
 bench/results/negotiation_np<N>.json.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -82,10 +86,17 @@ def measure(mode, makes, args):
         thread = state.current().collective_thread
         row = {"small_collective_s": small_collective(args.reps)}
         for name, make in makes.items():
-            row["step_s." + name] = optimizer_steps(make, args.steps)
+            row["step_%s_s" % name] = optimizer_steps(make, args.steps)
         many_small(args.count, False)   # warm the names
         row["many_small_submitted_s"] = statistics.median(many_small(args.count, False) for _ in range(3))
         row["many_small_one_by_one_s"] = statistics.median(many_small(args.count, True) for _ in range(3))
+        if mode == "name":   # submitted together, fusion off: one collective each, negotiated together
+            fused = thread.config
+            thread.config = dataclasses.replace(fused, fusion_threshold=0)
+            try:
+                row["many_small_unfused_s"] = statistics.median(many_small(args.count, False) for _ in range(3))
+            finally:
+                thread.config = fused
         row["rounds"] = thread.checks
         row["round_mean_s"] = thread.check_seconds / max(thread.checks, 1)
         row["fused_ops"] = thread.fused_ops
@@ -100,6 +111,7 @@ def main():
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--models", default="lm_2.4M,mlp_25M", help="which DistributedOptimizer workloads to time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -118,15 +130,18 @@ def main():
         torch.manual_seed(0)
         return comm_heavy_model(), task.next
 
-    makes = {"lm_2.4M": lm, "mlp_25M": mlp}
+    makes = {k: v for k, v in {"lm_2.4M": lm, "mlp_25M": mlp}.items() if k in args.models.split(",")}
     samples = {"order": [], "name": []}
     for _ in range(args.rounds):
         for mode in ("order", "name"):
             samples[mode].append(measure(mode, makes, args))
+            if os.environ.get("BENCH_VERBOSE"):
+                print(rank, mode, {k: round(v * 1e3, 3) for k, v in samples[mode][-1].items() if k.endswith("_s")},
+                      flush=True)
     hvd.init()
     summary = {}
     for mode, rows in samples.items():
-        keys = [k for k in rows[0] if k.endswith("_s")]
+        keys = sorted(k for k in rows[0] if k.endswith("_s"))
         local = torch.tensor([statistics.median(r[k] for r in rows) for k in keys], dtype=torch.float64)
         worst = hvd.allreduce(local, op=hvd.Max, name="bench.summary." + mode)   # the slowest rank decides
         summary[mode] = dict(zip(keys, worst.tolist()))
@@ -138,13 +153,15 @@ def main():
         print("%-34s %12s %12s %8s" % ("", "order", "name", "name/order"))
         for k in [k for k in o if k.endswith("_s")]:
             print("%-34s %10.3f ms %10.3f ms %8.3f" % (k[:-2], 1e3 * o[k], 1e3 * n[k], n[k] / o[k]))
-        print("200 x 1 KB, name mode: submitted together (fused) %.1f ms, one by one %.1f ms: %.1fx faster fused"
-              % (1e3 * n["many_small_submitted_s"], 1e3 * n["many_small_one_by_one_s"],
+        print("200 x 1 KB, name mode: submitted together and fused %.1f ms; submitted together, fusion off %.1f ms "
+              "(%.1fx); one by one %.1f ms (%.1fx)"
+              % (1e3 * n["many_small_submitted_s"], 1e3 * n["many_small_unfused_s"],
+                 n["many_small_unfused_s"] / n["many_small_submitted_s"], 1e3 * n["many_small_one_by_one_s"],
                  n["many_small_one_by_one_s"] / n["many_small_submitted_s"]))
         print("200 x 1 KB submitted together: order mode (each its own round) %.1f ms, name mode %.1f ms: %.1fx"
               % (1e3 * o["many_small_submitted_s"], 1e3 * n["many_small_submitted_s"],
                  o["many_small_submitted_s"] / n["many_small_submitted_s"]))
-        out = args.out or os.path.join(HERE, "results", "negotiation_np%d.json" % size)
+        out = args.out or os.path.join(HERE, "results", "negotiation_np%d_c%d.json" % (size, clusters))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "size": size, "clusters": clusters, "results": summary}, f,

@@ -53,10 +53,13 @@ class Deadline:
             return StellaTimeoutError("%s; a peer has stalled, died or is running a different collective (the "
                                       "ranks could not be asked: %s)" % (head, e))
 
-    def wait(self, req, what):
-        self.wait_all([req], what)
+    def wait(self, req, what, patient=False):
+        self.wait_all([req], what, patient)
 
-    def wait_all(self, reqs, what):
+    def wait_all(self, reqs, what, patient=False):
+        """``patient``: nobody waits on this result soon (an idle negotiation round). Poll with
+        short sleeps from the start instead of yielding in a loop, so that a rank with nothing
+        to do leaves the cores to the ranks that compute."""
         reqs = [r for r in reqs if r is not None]
         if not reqs:
             return
@@ -64,6 +67,17 @@ class Deadline:
             return
         start = time.monotonic()
         polls, nap = 0, 1e-5
+        if patient:
+            nap = 5e-5
+            while not MPI.Request.Testall(reqs):
+                elapsed = time.monotonic() - start
+                if elapsed > self.timeout_s:
+                    raise self._expired(what)
+                if elapsed > 0.5:
+                    diagnosis.serve(what)
+                time.sleep(nap)
+                nap = min(nap * 2, _MAX_SLEEP)
+            return
         yield_ = os.sched_yield
         while not MPI.Request.Testall(reqs):
             polls += 1

@@ -141,6 +141,44 @@ class Hierarchy:
             return
         self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))
 
+    def reduce_scatter(self, buf, counts, op):
+        """Reduce ``buf`` (flat, compute dtype) over all ranks and return this rank's piece:
+        ``counts[r]`` elements for set rank r, in rank order. One cluster: the intra-cluster
+        reduce-scatter. Several: the buffer is laid out cluster by cluster, reduced to each
+        cluster's leader, reduce-scattered among the leaders (each cluster receives only its own
+        ranks' pieces across the WAN), and scattered inside the cluster."""
+        topo = self.topo
+        me = topo.rank
+        if topo.size == 1:
+            return buf
+        if topo.num_clusters == 1:
+            return self.intra.reduce_scatter(buf, counts, op, torch.empty(counts[me], dtype=buf.dtype))
+        starts = displacements(counts)
+        order = [r for members in topo.cluster_members for r in members]
+        if order != list(range(topo.size)):
+            buf = torch.cat([buf[starts[r]:starts[r] + counts[r]] for r in order])
+        segments = [sum(counts[r] for r in members) for members in topo.cluster_members]
+        if topo.cluster_size > 1:
+            self.intra.reduce(buf, op, root=0)
+        mine = torch.empty(segments[topo.cluster_id], dtype=buf.dtype)
+        if topo.cluster_rank == 0:
+            item = buf.element_size()
+            sent = (buf.numel() - mine.numel()) * item
+            self.stats.add(wan_bytes_sent=sent, wan_bytes_received=mine.numel() * item * (topo.num_clusters - 1),
+                           wan_messages=1, elements=buf.numel(), entries_sent=buf.numel() - mine.numel())
+            started = time.monotonic()
+            self.deadline.wait(self.comms.leaders.Ireduce_scatter(mpi_view(buf), mpi_view(mine), segments,
+                                                                  op=MPI_OPS[op]), "cross-cluster reduce-scatter")
+            self.pacer.pace(sent, started)
+        if topo.cluster_size == 1:
+            return mine
+        members = topo.cluster_members[topo.cluster_id]
+        member_counts = [counts[r] for r in members]
+        out = torch.empty(counts[me], dtype=buf.dtype)
+        send = [mpi_view(mine), (member_counts, displacements(member_counts))] if topo.cluster_rank == 0 else None
+        self.deadline.wait(self.comms.cluster.Iscatterv(send, mpi_view(out), root=0), "intra-cluster scatter")
+        return out
+
     def adasum(self, buf, spans):
         """Adasum of ``buf`` (flat float64) over all ranks, in place, each span on its own. One
         cluster: Adasum over its ranks. Several: the sum inside each cluster, then Adasum across

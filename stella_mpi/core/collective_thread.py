@@ -40,6 +40,7 @@ import time
 import traceback
 
 import logging
+import math
 
 import numpy as np
 from mpi4py import MPI
@@ -222,10 +223,12 @@ class CollectiveThread:
         report_next = False
         last_report = 0.0
         wait_s = cycle
+        eager = 0.0
         start = time.monotonic()
         try:
             while True:
-                # collect submissions until the cycle is over (a submission cuts a back-off short)
+                # wait for the next cycle; a submission starts a round at once (with whatever else is
+                # queued by then), so a collective never waits for the cycle to come round
                 due = start + wait_s
                 while True:
                     left = due - time.monotonic()
@@ -233,19 +236,19 @@ class CollectiveThread:
                         op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    due = min(due, start + cycle)
+                    due = 0.0
                     if op is None:
                         stopping = True
                     elif op.kind == "join":
                         join_op, announce = op, True
                     else:
                         self._accept(op, pending)
-                start = time.monotonic()
-                oldest = min((p.since for _, p in pending.values()), default=start)
+                now = time.monotonic()
+                oldest = min((p.since for _, p in pending.values()), default=now)
                 limit = min(self._stall_limits())
-                want_report = start - oldest > limit and start - last_report > max(0.5, limit / 2)
+                want_report = now - oldest > limit and now - last_report > max(0.5, limit / 2)
                 if want_report:
-                    last_report = start
+                    last_report = now
                 t0 = time.perf_counter()
                 outcome = neg.round({k: p for k, (_, p) in pending.items()}, announce, stopping, want_report,
                                     report_next)
@@ -254,8 +257,9 @@ class CollectiveThread:
                 announce = False
                 report_next = outcome.wants_report
                 if outcome.report is not None:
-                    self._inspect(outcome.report, pending, start)
+                    self._inspect(outcome.report, pending, now)
                 self._run_ready(outcome.ready, pending)
+                start = time.monotonic()   # the next cycle counts from the end of this one
                 if outcome.join_done and join_op is not None:
                     self._finish(join_op, result=outcome.last_joined)
                     join_op = None
@@ -267,10 +271,17 @@ class CollectiveThread:
                     if join_op is not None:
                         self._finish(join_op, error=gone)
                     return
+                # the next round: at the cycle after progress; with ops of its own waiting for the
+                # others, soon (the round itself waits for them), backing off from 50 us while
+                # nothing moves; idle, backing off from the cycle; never later than the cap
+                cap = max(cycle, _IDLE_CAP_S)
                 if outcome.progress:
-                    wait_s = cycle
+                    wait_s, eager = cycle, 0.0
+                elif pending or join_op is not None:
+                    eager = min(max(2 * eager, 5e-5), cap)
+                    wait_s = eager
                 else:
-                    wait_s = min(max(2 * wait_s, 1e-4), max(cycle, _IDLE_CAP_S))
+                    wait_s = min(max(2 * wait_s, cycle), cap)
         except BaseException as e:  # noqa: BLE001 - a failed round or collective ends the job everywhere
             op = self._current if self._current is not None else None
             self._fail_named(op, e, pending, join_op)
@@ -527,4 +538,4 @@ class CollectiveThread:
 
 
 def _nbytes(desc):
-    return DTYPES[desc["dtype"]].itemsize * sum(int(np.prod(s, dtype=np.int64)) for s in desc["shapes"])
+    return DTYPES[desc["dtype"]].itemsize * sum(math.prod(s) for s in desc["shapes"])

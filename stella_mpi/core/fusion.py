@@ -11,6 +11,9 @@ def fuse(tensors, outputs, cdt):
             buf.copy_(tensors[0].reshape(-1))
         return buf, True
     buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt)
+    if len(tensors) > 8 and all(t.dtype == cdt for t in tensors):   # many small tensors: one kernel
+        torch.cat([t.reshape(-1) for t in tensors], out=buf)
+        return buf, False
     pos = 0
     for t in tensors:
         buf[pos:pos + t.numel()].copy_(t.reshape(-1))
@@ -20,6 +23,9 @@ def fuse(tensors, outputs, cdt):
 
 def unfuse(buf, outputs):
     """Copy the reduced buffer back into the outputs (casting to their dtype)."""
+    if len(outputs) > 8 and all(o.is_contiguous() and o.dtype == buf.dtype for o in outputs):
+        torch._foreach_copy_([o.view(-1) for o in outputs], list(buf.split([o.numel() for o in outputs])))
+        return
     pos = 0
     for out in outputs:
         n = out.numel()

@@ -29,7 +29,6 @@ Word 0 of the vector holds flags, combined by the same AND:
 - bit 2, *idle*: nothing pending and not joined, so all ranks back off alike;
 - bit 3, *no report*: the rank wants no stall report (see :meth:`Negotiator.round`).
 """
-import json
 import math
 
 import numpy as np
@@ -55,18 +54,13 @@ def describe(desc):
     return " ".join(parts)
 
 
-def canonical(desc):
-    return json.dumps(desc, sort_keys=True, separators=(",", ":"))
-
-
 class Pending:
     """What the negotiation needs of one locally submitted collective."""
-    __slots__ = ("key", "desc", "djson", "members", "nonfinite", "said", "since")
+    __slots__ = ("key", "desc", "members", "nonfinite", "said", "since")
 
     def __init__(self, key, desc, members, nonfinite, since):
         self.key = key              # (process set id, name)
-        self.desc = desc
-        self.djson = canonical(desc)
+        self.desc = desc            # compared by equality (dicts of numbers, strings and lists)
         self.members = members      # world ranks of the process set
         self.nonfinite = nonfinite  # this rank's input holds NaN/Inf
         self.said = False           # its description went out in a message
@@ -74,10 +68,10 @@ class Pending:
 
 
 class _Entry:
-    __slots__ = ("key", "desc", "djson", "members", "bit", "used")
+    __slots__ = ("key", "desc", "members", "bit", "used")
 
-    def __init__(self, key, desc, djson, members, bit, used):
-        self.key, self.desc, self.djson, self.members, self.bit, self.used = key, desc, djson, members, bit, used
+    def __init__(self, key, desc, members, bit, used):
+        self.key, self.desc, self.members, self.bit, self.used = key, desc, members, bit, used
 
 
 class Ready:
@@ -117,7 +111,7 @@ class Negotiator:
         self.words = 1 + math.ceil(self.capacity / 64)
         self.cache = {}                          # key -> _Entry
         self.by_bit = [None] * self.capacity     # bit -> _Entry
-        self.table = {}                          # key -> {"members": [...], "descs": {rank: (desc, djson, nonfinite)}}
+        self.table = {}                          # key -> {"members": [...], "descs": {rank: (desc, nonfinite)}}
         self.joined = []                         # world ranks that have joined, in the agreed order
         self.rounds = 0
         self.messages = 0                        # rounds that needed the allgather of descriptions
@@ -139,8 +133,8 @@ class Negotiator:
             entry = self.cache.get(p.key)
             if p.said:
                 continue
-            if (entry is not None and entry.djson == p.djson and entry.members == p.members and not p.nonfinite
-                    and p.key not in self.table):
+            if (entry is not None and entry.members == p.members and not p.nonfinite and p.key not in self.table
+                    and entry.desc == p.desc):
                 bits[entry.bit >> 6] |= np.uint64(1 << (entry.bit & 63))
                 continue
             said.append([p.key[0], p.key[1], p.members, p.desc, bool(p.nonfinite)])
@@ -166,7 +160,8 @@ class Negotiator:
             flags |= _NO_REPORT
         vec[0] = np.uint64(flags)
         out = np.empty_like(vec)
-        self.deadline.wait(self.comm.Iallreduce(vec, out, op=MPI.BAND), "negotiation round")
+        self.deadline.wait(self.comm.Iallreduce(vec, out, op=MPI.BAND), "negotiation round",
+                           patient=bool(flags & _IDLE))
         head = int(out[0])
         result = Outcome()
         result.all_stopping = bool(head & _STOPPING)
@@ -233,7 +228,7 @@ class Negotiator:
         if r not in members or not isinstance(desc, dict):
             raise ValueError("negotiation: rank %d described %r for a set it is not in" % (r, key))
         row = self.table.setdefault(key, {"members": members, "descs": {}})
-        row["descs"][r] = (desc, canonical(desc), bool(nonfinite))
+        row["descs"][r] = (desc, bool(nonfinite))
 
     def _ready(self, key, desc, members, njoined):
         error = None
@@ -244,28 +239,27 @@ class Negotiator:
 
     def _complete(self, key, row, active):
         descs = row["descs"]
-        djsons = {descs[r][1] for r in active}
         njoined = len(row["members"]) - len(active)
         first = descs[active[0]][0]
-        if len(djsons) > 1:
+        if any(descs[r][0] != first for r in active[1:]):
             lines = ["ranks submitted different collectives under the name %r:" % key[1]]
             for r in active:
                 lines.append("  rank %d: %s" % (r, describe(descs[r][0])))
             return Ready(key, first, row["members"], njoined, TensorMismatchError("\n".join(lines)))
-        bad = [r for r in active if descs[r][2]]
+        bad = [r for r in active if descs[r][1]]
         if bad:
             return Ready(key, first, row["members"], njoined, NonFiniteGradientError(
                 "a non-finite gradient (NaN or Inf) on rank %s in %s; refused on every rank"
                 % (", ".join(map(str, bad)), describe(first))))
-        self._remember(key, first, descs[active[0]][1], row["members"])
+        self._remember(key, first, row["members"])
         return self._ready(key, first, row["members"], njoined)
 
-    def _remember(self, key, desc, djson, members):
+    def _remember(self, key, desc, members):
         if not self.capacity:
             return
         entry = self.cache.get(key)
         if entry is not None:
-            entry.desc, entry.djson, entry.members, entry.used = desc, djson, members, self.rounds
+            entry.desc, entry.members, entry.used = desc, members, self.rounds
             return
         if len(self.cache) < self.capacity:
             bit = len(self.cache)
@@ -273,7 +267,7 @@ class Negotiator:
             victim = min(self.cache.values(), key=lambda e: (e.used, e.bit))
             del self.cache[victim.key]
             bit = victim.bit
-        entry = _Entry(key, desc, djson, members, bit, self.rounds)
+        entry = _Entry(key, desc, members, bit, self.rounds)
         self.cache[key] = entry
         self.by_bit[bit] = entry
 

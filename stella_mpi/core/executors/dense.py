@@ -124,14 +124,22 @@ def neutral_alltoall(desc):
 # ---------------- reducescatter ----------------
 
 def execute_reducescatter(pset, desc, inputs, joined):
-    """The rows of dim 0 each rank receives: the first ``rows % size`` ranks get one more."""
+    """A true reduce-scatter (``Hierarchy.reduce_scatter``): each rank receives only its rows of
+    dim 0; the first ``rows % size`` ranks get one more."""
     (tensor,) = inputs
-    full = torch.empty_like(tensor)
-    execute_allreduce(pset, dict(desc, shapes=[list(tensor.shape)]), ([tensor], [full]), joined)
-    counts = split_counts(tensor.shape[0], pset.nranks)
+    dtype = DTYPES[desc["dtype"]]
+    rows = split_counts(tensor.shape[0], pset.nranks)
+    row_elems = int(np.prod(tensor.shape[1:], dtype=np.int64))
+    # a copy in the compute dtype (reduced in place: never the caller's tensor)
+    buf, _ = fuse([tensor.reshape(-1)], [torch.empty(tensor.numel(), dtype=dtype)], compute_dtype(dtype))
+    if desc["prescale"] != 1.0:
+        scale(buf, desc["prescale"])
+    piece = pset.hierarchy.reduce_scatter(buf, [r * row_elems for r in rows], "sum")
+    factor = desc["postscale"] / (pset.nranks if desc["op"] == "average" else 1)
+    if factor != 1.0:
+        scale(piece, factor)
     me = pset.set_rank
-    start = sum(counts[:me])
-    return full[start:start + counts[me]].clone()
+    return piece.to(dtype).reshape((rows[me],) + tuple(tensor.shape[1:]))
 
 
 def neutral_reducescatter(desc):
