@@ -7,6 +7,8 @@ side in one run, the two modes alternating (hvd.shutdown() and hvd.init() betwee
 
 Per mode it measures:
 - one small collective: the mean time of a synchronous 1-element allreduce (a cached name);
+- compute while idle: a matmul loop with no collective in flight, which the idle rounds slow
+  down only by the CPU they take;
 - one DistributedOptimizer step (forward, backward, reduction, update), median, on the byte LM
   of examples/ (2.4M parameters) and the 25.2M-parameter MLP of the comm workload;
 - 200 tensors of 1 KB allreduced in one step: all submitted, then all synchronized. With
@@ -65,6 +67,18 @@ def optimizer_steps(make, steps):
     return statistics.median(times)
 
 
+def compute_while_idle(seconds=0.3):
+    """Compute with no collective in flight (a forward pass, an evaluation): what the idle
+    negotiation rounds of the collective thread take from it. Returns seconds per matmul."""
+    a = torch.randn(256, 256)
+    hvd.barrier()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a = torch.tanh(a @ a)
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
 def many_small(count, one_by_one):
     tensors = [torch.full((256,), float(i)) for i in range(count)]   # 1 KB each
     hvd.barrier()
@@ -84,7 +98,7 @@ def measure(mode, makes, args):
     hvd.init()
     try:
         thread = state.current().collective_thread
-        row = {"small_collective_s": small_collective(args.reps)}
+        row = {"small_collective_s": small_collective(args.reps), "compute_while_idle_s": compute_while_idle()}
         for name, make in makes.items():
             row["step_%s_s" % name] = optimizer_steps(make, args.steps)
         many_small(args.count, False)   # warm the names
@@ -132,8 +146,8 @@ def main():
 
     makes = {k: v for k, v in {"lm_2.4M": lm, "mlp_25M": mlp}.items() if k in args.models.split(",")}
     samples = {"order": [], "name": []}
-    for _ in range(args.rounds):
-        for mode in ("order", "name"):
+    for i in range(args.rounds):
+        for mode in (("order", "name") if i % 2 == 0 else ("name", "order")):   # neither always runs first
             samples[mode].append(measure(mode, makes, args))
             if os.environ.get("BENCH_VERBOSE"):
                 print(rank, mode, {k: round(v * 1e3, 3) for k, v in samples[mode][-1].items() if k.endswith("_s")},

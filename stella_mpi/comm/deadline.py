@@ -28,6 +28,7 @@ from .abort import end_job
 
 _YIELD_SECONDS = 5e-3   # poll with sched_yield this long before sleeping
 _MAX_SLEEP = 2e-4
+_PATIENT_SLEEP = 1e-3   # the longest nap of a patient wait
 
 
 class Deadline:
@@ -53,13 +54,13 @@ class Deadline:
             return StellaTimeoutError("%s; a peer has stalled, died or is running a different collective (the "
                                       "ranks could not be asked: %s)" % (head, e))
 
-    def wait(self, req, what, patient=False):
+    def wait(self, req, what, patient=None):
         self.wait_all([req], what, patient)
 
-    def wait_all(self, reqs, what, patient=False):
-        """``patient``: nobody waits on this result soon (an idle negotiation round). Poll with
-        short sleeps from the start instead of yielding in a loop, so that a rank with nothing
-        to do leaves the cores to the ranks that compute."""
+    def wait_all(self, reqs, what, patient=None):
+        """``patient``: nobody waits on this result soon (an idle negotiation round): a function
+        that says when that changes. Until it does, poll with naps instead of yielding in a
+        loop, so that a rank with nothing to do leaves the cores to the ranks that compute."""
         reqs = [r for r in reqs if r is not None]
         if not reqs:
             return
@@ -67,17 +68,19 @@ class Deadline:
             return
         start = time.monotonic()
         polls, nap = 0, 1e-5
-        if patient:
-            nap = 5e-5
-            while not MPI.Request.Testall(reqs):
+        if patient is not None:
+            doze = _MAX_SLEEP
+            while not patient():
+                if MPI.Request.Testall(reqs):
+                    return
                 elapsed = time.monotonic() - start
                 if elapsed > self.timeout_s:
                     raise self._expired(what)
                 if elapsed > 0.5:
                     diagnosis.serve(what)
-                time.sleep(nap)
-                nap = min(nap * 2, _MAX_SLEEP)
-            return
+                time.sleep(doze)
+                doze = min(doze * 2, _PATIENT_SLEEP)
+        active = time.monotonic()
         yield_ = os.sched_yield
         while not MPI.Request.Testall(reqs):
             polls += 1
@@ -89,7 +92,7 @@ class Deadline:
                 raise self._expired(what)
             if elapsed > 0.5:
                 diagnosis.serve(what)
-            if elapsed < _YIELD_SECONDS:
+            if time.monotonic() - active < _YIELD_SECONDS:
                 yield_()
             else:
                 time.sleep(nap)

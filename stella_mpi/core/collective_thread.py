@@ -59,7 +59,7 @@ from .nonfinite import has_nonfinite
 log = logging.getLogger("stella_mpi")
 _NEUTRAL = np.iinfo(np.int64).min
 _HASH_MASK = (1 << 62) - 1
-_IDLE_CAP_S = 8e-3      # the longest cycle while every rank is idle or nothing moves
+_IDLE_CAP_S = 20e-3     # the longest cycle while every rank is idle or nothing moves
 _FUSIBLE_KEYS = {"kind", "name", "dtype", "shapes", "op", "prescale", "postscale"}
 
 
@@ -105,7 +105,7 @@ class CollectiveThread:
             cap = np.array([config.cache_capacity], dtype=np.int64)
             agreed = np.empty_like(cap)
             deadline.wait(comm.Iallreduce(cap, agreed, op=MPI.MIN), "hvd.init(): the response cache's capacity")
-            self.negotiator = Negotiator(comm, deadline, int(agreed[0]))
+            self.negotiator = Negotiator(comm, deadline, int(agreed[0]), busy=lambda: not self._queue.empty())
         self.stalls_reported = 0
         self.fused_ops = 0
         self._current = None
