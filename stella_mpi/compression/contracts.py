@@ -139,6 +139,23 @@ class SparseCompressor(Compressor):
     def _extra_settings(self):
         return ()
 
+    @classmethod
+    def from_settings(cls, settings):
+        """The compressor whose :meth:`settings` are ``settings`` (a joined rank rebuilds the
+        others' compressor from a collective's description). Subclasses with extra settings
+        override :meth:`_extra_kwargs`."""
+        name, density, value_dtype, error_feedback, *extra = settings
+        comp = cls(density=density, value_dtype=value_dtype, error_feedback=error_feedback, **cls._extra_kwargs(extra))
+        if tuple(comp.settings()) != tuple(settings):
+            raise ValueError("compressor %r cannot be rebuilt from its settings %r" % (name, list(settings)))
+        return comp
+
+    @classmethod
+    def _extra_kwargs(cls, extra):
+        if extra:
+            raise ValueError("%s has no extra settings, got %r" % (cls.__name__, list(extra)))
+        return {}
+
     # Horovod's dense contract does not apply: the WAN exchange calls select/encode/decode.
     def compress(self, tensor):
         raise TypeError("%s is a sparse compressor: use select/encode/decode (cross-cluster hop)" % self.name)

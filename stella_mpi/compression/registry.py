@@ -30,6 +30,14 @@ def registered():
     return sorted(_REGISTRY)
 
 
+def get_factory(name):
+    """The class or factory registered under ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError("unknown compressor %r; registered: %s" % (name, ", ".join(registered()))) from None
+
+
 def get_compressor(name, **kwargs):
     """Build a compressor by registry name, e.g. ``get_compressor("topk", density=0.01)``."""
     try:

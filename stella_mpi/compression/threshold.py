@@ -22,6 +22,11 @@ class ThresholdCompressor(SparseCompressor):
     def _extra_settings(self):
         return (self.exact, self.slack)
 
+    @classmethod
+    def _extra_kwargs(cls, extra):
+        exact, slack = extra
+        return {"exact": exact, "slack": slack}
+
     def _select(self, flat, n, k, residual, ctx):
         t = kernels.estimate_threshold(flat, k, residual)
         if math.isnan(t):

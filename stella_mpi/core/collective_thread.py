@@ -501,7 +501,7 @@ class CollectiveThread:
         joined = sum(1 for d in descs if d is None)
         if joined and desc["kind"] not in JOINABLE:
             raise CollectiveRefused("%s is not supported while %d rank(s) have joined (hvd.join); "
-                                    "only allreduce and barrier are" % (describe(desc), joined))
+                                    "only allreduce (dense or sparse) and barrier are" % (describe(desc), joined))
         return joined
 
     def _mismatch_error(self, pset, descs):

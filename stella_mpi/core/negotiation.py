@@ -40,7 +40,8 @@ from mpi4py import MPI
 from ..base.errors import CollectiveRefused, NonFiniteGradientError, TensorMismatchError
 from ..comm.messages import allgather_json
 
-JOINABLE = ("allreduce", "barrier")  # as in Horovod: joined ranks contribute zeros to these
+# as in Horovod, joined ranks contribute zeros to these (and to stella's sparse allreduce)
+JOINABLE = ("allreduce", "barrier", "sparse_allreduce")
 
 _QUIET, _STOPPING, _IDLE, _NO_REPORT = 1, 2, 4, 8
 _FLAG_BITS = 4   # the flags take the low bits of the vector; the cache's bits follow
@@ -238,7 +239,7 @@ class Negotiator:
         error = None
         if njoined and desc.get("kind") not in JOINABLE:
             error = CollectiveRefused("%s is not supported while %d rank(s) have joined (hvd.join); only allreduce "
-                                      "and barrier are" % (describe(desc), njoined))
+                                      "(dense or sparse) and barrier are" % (describe(desc), njoined))
         return Ready(key, desc, members, njoined, error)
 
     def _complete(self, key, row, active):

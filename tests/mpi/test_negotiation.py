@@ -144,3 +144,29 @@ def test_many_names_with_a_small_cache_still_agree():
         for h in handles:
             assert torch.equal(hvd.synchronize(h), torch.ones(1) * sum(range(n)))
     assert len(neg.cache) <= neg.capacity
+
+
+@pytest.mark.parametrize("density", [1.0, 0.25])
+def test_join_on_the_sparse_route(density):
+    """A joined rank contributes nothing to a compressed allreduce (Average still divides by the
+    set's size) and still carries its shard of the cluster's sum across clusters. At density 1
+    the result is exact; below, error feedback keeps the sum over steps: after enough steps with
+    the same input, the average of the outputs approaches the exact average."""
+    r, n = hvd.rank(), hvd.size()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    comp = hvd.Compression.cacheaware(density=density)
+    x = torch.arange(64, dtype=torch.float32) * (r + 1) / 64
+    exact = sum(torch.arange(64, dtype=torch.float32) * (q + 1) / 64 for q in range(1, n)) / n
+    steps = 1 if density == 1.0 else 12
+    if r == 0:
+        last = hvd.join()
+    else:
+        outs = [hvd.allreduce(x, name="join.sparse.%g" % density, compression=comp) for _ in range(steps)]
+        last = hvd.join()
+        mean = sum(outs) / steps
+        if density == 1.0:
+            assert torch.allclose(outs[0], exact, atol=1e-6)
+        else:
+            assert float((mean - exact).abs().max()) < 0.35 * float(exact.abs().max()), (mean, exact)
+    assert last == n - 1

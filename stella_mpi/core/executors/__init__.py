@@ -8,7 +8,7 @@ joined rank. A new collective adds one row here.
 from collections import namedtuple
 
 from . import dense
-from .sparse import execute_sparse_allreduce
+from .sparse import execute_sparse_allreduce, neutral_sparse_allreduce
 
 Executor = namedtuple("Executor", ["run", "neutral"])   # neutral(desc) -> inputs, or None: not joinable
 
@@ -19,7 +19,7 @@ EXECUTORS = {
     "alltoall": Executor(dense.execute_alltoall, dense.neutral_alltoall),
     "reducescatter": Executor(dense.execute_reducescatter, dense.neutral_reducescatter),
     "barrier": Executor(dense.execute_barrier, dense.neutral_barrier),
-    "sparse_allreduce": Executor(execute_sparse_allreduce, None),
+    "sparse_allreduce": Executor(execute_sparse_allreduce, neutral_sparse_allreduce),
 }
 
 

@@ -5,7 +5,15 @@ import time
 import torch
 
 from ...comm.sparse_exchange import sparse_cross_step
+from ...compression.memory import Memory
+from ...compression.registry import get_factory
 from ..fusion import fuse, unfuse
+
+# What a joined rank (hvd.join) uses on the sparse route: the others' compressor rebuilt from the
+# description (kept, so its per-tensor selection state carries over steps), and its own
+# error-feedback memory for the shard of its cluster's sum that it still owns while joined.
+_JOINED_COMPRESSORS = {}
+_JOINED_MEMORY = Memory()
 
 
 def execute_sparse_allreduce(pset, desc, inputs, joined):
@@ -28,3 +36,16 @@ def execute_sparse_allreduce(pset, desc, inputs, joined):
         unfuse(buf, outputs)
     hier.stats.add(engine_s=time.perf_counter() - started)
     return outputs
+
+
+def neutral_sparse_allreduce(desc):
+    """A joined rank's part: zeros (it contributes nothing; Average still divides by the set's
+    size, as for a dense allreduce). It still owns a shard of its cluster's sum, so it selects
+    and exchanges that shard with the same compressor as the others."""
+    settings = tuple(desc["compressor"])
+    comp = _JOINED_COMPRESSORS.get(settings)
+    if comp is None:
+        comp = get_factory(settings[0]).from_settings(settings)
+        _JOINED_COMPRESSORS[settings] = comp
+    tensors = [torch.zeros(tuple(s), dtype=torch.float32) for s in desc["shapes"]]
+    return (tensors, [torch.empty_like(t) for t in tensors], comp, _JOINED_MEMORY)
