@@ -345,6 +345,7 @@ class CollectiveThread:
         """Run the ready ops in the agreed order; consecutive fusible allreduces of one process
         set, dtype, op and scaling go as one buffer up to the fusion threshold (the same decision
         on every rank: it depends on the descriptions alone)."""
+        ready = _after_first(ready)
         i = 0
         while i < len(ready):
             item = ready[i]
@@ -535,6 +536,35 @@ class CollectiveThread:
             joined = sum(1 for d in descs if d is None)
             inputs, execute = neutral_inputs(desc)
             execute(pset, desc, inputs, joined)
+
+
+def _after_first(ready):
+    """The ready ops, each moved behind the op its description names as ``after`` when both are
+    ready in the same round (the same order on every rank: it depends on descriptions alone).
+
+    Ops matched by name run in the negotiation's order, not in submission order. A producer
+    whose ops must run in order (the CPU engine's updates of one bucket, step after step) says
+    so with ``after``. If every rank submitted the earlier op first, it is ready in the same
+    round as the later one or before."""
+    if not any("after" in item.desc for item in ready):
+        return ready
+    out, placed, waiting = [], set(), list(ready)
+    names = {(item.key[0], item.key[1]) for item in ready}
+    while waiting:
+        rest = []
+        for item in waiting:
+            before = item.desc.get("after")
+            key = (item.key[0], before)
+            if before is None or key not in names or key in placed:
+                out.append(item)
+                placed.add(item.key)
+            else:
+                rest.append(item)
+        if len(rest) == len(waiting):   # a cycle of afters: keep the negotiated order
+            out.extend(rest)
+            break
+        waiting = rest
+    return out
 
 
 def _nbytes(desc):

@@ -284,6 +284,8 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         # predicted weights only for the stale case
         predict = self._predicted_at(bucket, step)
         desc["predict"] = predict
+        if step > 0:   # the updates of one bucket run in step order (ops are matched by name)
+            desc["after"] = name + ".step%d" % (step - 1)
         inputs = (grad, bucket, self._compression, self._memory, self._pool, lr, self._semantics == "exact", predict)
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,

@@ -170,3 +170,35 @@ def test_join_on_the_sparse_route(density):
         else:
             assert float((mean - exact).abs().max()) < 0.35 * float(exact.abs().max()), (mean, exact)
     assert last == n - 1
+
+
+def test_after_keeps_a_producers_order_when_cache_and_table_mix():
+    """Ops ready in the same round run in the negotiation's order (cached names first), not in
+    submission order; an op whose description names ``after`` runs behind that op. The CPU
+    engine relies on it for the steps of one bucket: a step whose description changed goes by
+    the table, the next one by the cache."""
+    import time
+    from stella_mpi.core.collective_thread import Op
+    thread = _thread()
+    ran = []
+
+    def record(tag):
+        def execute(pset, desc, inputs, joined):
+            ran.append(tag)
+        return execute
+
+    def sleeper(pset, desc, inputs, joined):
+        time.sleep(0.3)   # holds the thread while the next two queue up
+
+    def submit(name, desc, execute):
+        return thread.submit(Op("test", name, dict(desc, kind="test", name=name), (), execute,
+                                hvd.global_process_set))
+
+    for variant in ("first", "second"):   # both names cached with variant "first"
+        ran.clear()
+        handles = [submit("after.sleep.%s" % variant, {}, sleeper),
+                   submit("after.step0", {"v": variant}, record("step0")),
+                   submit("after.step1", {"v": "first", "after": "after.step0"}, record("step1"))]
+        for h in handles:
+            thread.wait(h)
+        assert ran == ["step0", "step1"], ran
