@@ -216,7 +216,7 @@ class CollectiveThread:
         cfg = self.config
         neg = self.negotiator
         cycle = max(0.0, cfg.cycle_time_s)
-        pending = {}          # key -> (Op, Pending), in submission order
+        pending = {}          # key -> Pending (its op in .op), in submission order
         join_op = None
         announce = False
         stopping = False
@@ -244,14 +244,13 @@ class CollectiveThread:
                     else:
                         self._accept(op, pending)
                 now = time.monotonic()
-                oldest = min((p.since for _, p in pending.values()), default=now)
+                oldest = min((p.since for p in pending.values()), default=now)
                 limit = min(self._stall_limits())
                 want_report = now - oldest > limit and now - last_report > max(0.5, limit / 2)
                 if want_report:
                     last_report = now
                 t0 = time.perf_counter()
-                outcome = neg.round({k: p for k, (_, p) in pending.items()}, announce, stopping, want_report,
-                                    report_next)
+                outcome = neg.round(pending, announce, stopping, want_report, report_next)
                 self.checks += 1
                 self.check_seconds += time.perf_counter() - t0
                 announce = False
@@ -266,8 +265,8 @@ class CollectiveThread:
                 if outcome.all_stopping:
                     gone = HorovodInternalError("rank %d: hvd.shutdown() on every rank before the other ranks "
                                                 "submitted this collective" % self.rank)
-                    for op, _ in pending.values():
-                        self._finish(op, error=gone)
+                    for p in pending.values():
+                        self._finish(p.op, error=gone)
                     if join_op is not None:
                         self._finish(join_op, error=gone)
                     return
@@ -299,7 +298,7 @@ class CollectiveThread:
     def _accept(self, op, pending):
         key = (op.pset.process_set_id, op.name)
         nonfinite = False if op.finite is None else bool(has_nonfinite(op.finite))
-        pending[key] = (op, Pending(key, op.desc, op.pset.ranks, nonfinite, time.monotonic()))
+        pending[key] = Pending(key, op.desc, op.pset.ranks, nonfinite, time.monotonic(), op)
 
     def _finish(self, op, result=None, error=None):
         op.handle.result = result
@@ -313,7 +312,7 @@ class CollectiveThread:
         each collective that some ranks have submitted and the ranks missing it. A rank whose own op
         has waited past STELLA_TIMEOUT (or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) ends the job."""
         cfg = self.config
-        lines = self.negotiator.pending_names(report, {k: p.members for k, (_, p) in pending.items()})
+        lines = self.negotiator.pending_names(report, {k: p.members for k, p in pending.items()})
         if not lines:
             return
         text = "\n".join("  %r (process set %d): submitted by rank(s) %s; missing rank(s) %s"
@@ -324,7 +323,8 @@ class CollectiveThread:
             log.warning("stella_mpi: stall inspector: one or more collectives were submitted by some ranks and have "
                         "waited over %g s for the others:\n%s", min(self._stall_limits()), text)
         missing_of = {key: missing for key, _, missing in lines}
-        for key, (op, p) in pending.items():
+        for key, p in pending.items():
+            op = p.op
             if key not in missing_of:
                 continue
             age = now - p.since
@@ -371,7 +371,7 @@ class CollectiveThread:
                 self._run_group(group, pending)
 
     def _run_group(self, group, pending):
-        ops = [pending.pop(item.key, (None, None))[0] for item in group]
+        ops = [getattr(pending.pop(item.key, None), "op", None) for item in group]
         first = group[0]
         if first.error is not None:
             if ops[0] is not None:
@@ -417,9 +417,9 @@ class CollectiveThread:
             op = Op("negotiation", "negotiation round", {"kind": "negotiation round", "name": ""}, (), None, None)
             op.handle = Handle(op.name)
         self._fail_everything(op, exc)
-        for other, _ in pending.values():
-            other.handle.error = self._failure
-            other.handle.done.set()
+        for p in pending.values():
+            p.op.handle.error = self._failure
+            p.op.handle.done.set()
         if join_op is not None:
             join_op.handle.error = self._failure
             join_op.handle.done.set()

@@ -60,15 +60,18 @@ def describe(desc):
 
 class Pending:
     """What the negotiation needs of one locally submitted collective."""
-    __slots__ = ("key", "desc", "members", "nonfinite", "said", "since")
+    __slots__ = ("key", "desc", "members", "nonfinite", "said", "since", "op", "bit", "version")
 
-    def __init__(self, key, desc, members, nonfinite, since):
+    def __init__(self, key, desc, members, nonfinite, since, op=None):
         self.key = key              # (process set id, name)
         self.desc = desc            # compared by equality (dicts of numbers, strings and lists)
         self.members = members      # world ranks of the process set
         self.nonfinite = nonfinite  # this rank's input holds NaN/Inf
         self.said = False           # its description went out in a message
         self.since = since          # monotonic time of submission
+        self.op = op                # what the collective thread runs
+        self.bit = None             # its cache bit in the vector (0: goes by description) ...
+        self.version = -1           # ... as of this version of the negotiator's cache and table
 
 
 class _Entry:
@@ -123,6 +126,7 @@ class Negotiator:
         self.joined = []                         # world ranks that have joined, in the agreed order
         self.rounds = 0
         self.messages = 0                        # rounds that needed the allgather of descriptions
+        self.version = 0   # changes whenever the cache or the table does (a Pending's bit is then re-checked)
 
     # ---------------- one round ----------------
 
@@ -136,13 +140,18 @@ class Negotiator:
         joined_me = self.rank in self.joined
         mask = self._occupied if joined_me else self._outsider
         said = []
+        version = self.version
         for p in pending.values():
-            entry = self.cache.get(p.key)
             if p.said:
                 continue
-            if (entry is not None and entry.members == p.members and not p.nonfinite and p.key not in self.table
-                    and entry.desc == p.desc):
-                mask |= 1 << (entry.bit + _FLAG_BITS)
+            if p.version != version:
+                entry = self.cache.get(p.key)
+                p.bit = 1 << (entry.bit + _FLAG_BITS) if (
+                    entry is not None and entry.members == p.members and not p.nonfinite and p.key not in self.table
+                    and entry.desc == p.desc) else 0
+                p.version = version
+            if p.bit:
+                mask |= p.bit
                 continue
             said.append([p.key[0], p.key[1], p.members, p.desc, bool(p.nonfinite)])
             p.said = True
@@ -211,6 +220,7 @@ class Negotiator:
             if not active or any(r not in row["descs"] for r in active):
                 continue
             del self.table[key]
+            self.version += 1
             result.ready.append(self._complete(key, row, active))
         if len(self.joined) == self.size:
             result.join_done = True
@@ -232,7 +242,10 @@ class Negotiator:
             raise ValueError("negotiation: malformed description from rank %d: %r" % (r, item)) from None
         if r not in members or not isinstance(desc, dict):
             raise ValueError("negotiation: rank %d described %r for a set it is not in" % (r, key))
-        row = self.table.setdefault(key, {"members": members, "descs": {}})
+        row = self.table.get(key)
+        if row is None:
+            row = self.table[key] = {"members": members, "descs": {}}
+            self.version += 1
         row["descs"][r] = (desc, bool(nonfinite))
 
     def _ready(self, key, desc, members, njoined):
@@ -279,6 +292,7 @@ class Negotiator:
         self._mark(entry)
 
     def _mark(self, entry):
+        self.version += 1
         b = 1 << (entry.bit + _FLAG_BITS)
         self._occupied |= b
         if self.rank in entry.members:
