@@ -22,15 +22,17 @@ Every rank applies the same messages and results in the same order, so the cache
 eviction included), the table and the order of the ready collectives are identical
 everywhere. Nothing is decided by one rank for the others.
 
-The low four bits of the vector are flags, combined by the same AND; the cache's bits follow.
+The low three bits of the vector are flags, combined by the same AND; the cache's bits follow.
 With the default capacity (1020) the vector is 128 bytes: above that, MPICH's non-blocking
 allreduce takes two message steps instead of one, which doubles a round's latency over a WAN
 (measured: 5.1 against 10.2 ms at 5 ms one-way delay).
 
 - bit 0, *quiet*: the rank has nothing to say;
 - bit 1, *stopping*: ``hvd.shutdown``, so the loop ends when all are stopping;
-- bit 2, *idle*: nothing pending and not joined, so all ranks back off alike;
-- bit 3, *no report*: the rank wants no stall report (see :meth:`Negotiator.round`).
+- bit 2, *no report*: the rank wants no stall report (see :meth:`Negotiator.round`).
+
+A rank with nothing pending that has not joined waits for its round patiently (naps instead of
+a busy poll) until it has work of its own.
 """
 import math
 
@@ -43,8 +45,8 @@ from ..comm.messages import allgather_json
 # as in Horovod, joined ranks contribute zeros to these (and to stella's sparse allreduce)
 JOINABLE = ("allreduce", "barrier", "sparse_allreduce")
 
-_QUIET, _STOPPING, _IDLE, _NO_REPORT = 1, 2, 4, 8
-_FLAG_BITS = 4   # the flags take the low bits of the vector; the cache's bits follow
+_QUIET, _STOPPING, _NO_REPORT = 1, 2, 4
+_FLAG_BITS = 3   # the flags take the low bits of the vector; the cache's bits follow
 
 
 def describe(desc):
@@ -91,13 +93,12 @@ class Ready:
 
 class Outcome:
     """What one round decided, the same on every rank."""
-    __slots__ = ("ready", "all_stopping", "all_idle", "progress", "join_done", "last_joined", "report",
+    __slots__ = ("ready", "all_stopping", "progress", "join_done", "last_joined", "report",
                  "wants_report")
 
     def __init__(self):
         self.ready = []            # [Ready] in the agreed order
         self.all_stopping = False
-        self.all_idle = False
         self.progress = False      # anything ready or said: keep cycling fast
         self.join_done = False
         self.last_joined = -1
@@ -167,19 +168,16 @@ class Negotiator:
             flags |= _QUIET
         if stopping:
             flags |= _STOPPING
-        if not pending and not joining and not joined_me:
-            flags |= _IDLE
         if not want_report:
             flags |= _NO_REPORT
         vec = np.frombuffer((mask | flags).to_bytes(8 * self.words, "little"), dtype=np.uint64).copy()
         out = np.empty_like(vec)
         self.deadline.wait(self.comm.Iallreduce(vec, out, op=MPI.BAND), "negotiation round",
-                           patient=self.busy if flags & _IDLE else None)
+                           patient=self.busy if not (pending or joining or joined_me) else None)
         agreed = int.from_bytes(out.tobytes(), "little")
         head = agreed & ((1 << _FLAG_BITS) - 1)
         result = Outcome()
         result.all_stopping = bool(head & _STOPPING)
-        result.all_idle = bool(head & _IDLE)
         wants_report = not (head & _NO_REPORT)
         messages = None
         if not head & _QUIET:
