@@ -67,31 +67,33 @@ class Deadline:
         if MPI.Request.Testall(reqs):
             return
         start = time.monotonic()
-        polls, nap = 0, 1e-5
+
+        def check():
+            """Past the deadline: raise, naming who never came; past half a second: answer the
+            others' questions of where this rank waits."""
+            elapsed = time.monotonic() - start
+            if elapsed > self.timeout_s:
+                raise self._expired(what)
+            if elapsed > 0.5:
+                diagnosis.serve(what)
+
         if patient is not None:
             doze = _MAX_SLEEP
             while not patient():
                 if MPI.Request.Testall(reqs):
                     return
-                elapsed = time.monotonic() - start
-                if elapsed > self.timeout_s:
-                    raise self._expired(what)
-                if elapsed > 0.5:
-                    diagnosis.serve(what)
+                check()
                 time.sleep(doze)
                 doze = min(doze * 2, _PATIENT_SLEEP)
         active = time.monotonic()
+        polls, nap = 0, 1e-5
         yield_ = os.sched_yield
         while not MPI.Request.Testall(reqs):
             polls += 1
             if polls & 63:
                 yield_()
                 continue
-            elapsed = time.monotonic() - start
-            if elapsed > self.timeout_s:
-                raise self._expired(what)
-            if elapsed > 0.5:
-                diagnosis.serve(what)
+            check()
             if time.monotonic() - active < _YIELD_SECONDS:
                 yield_()
             else:
