@@ -10,10 +10,8 @@ def barrier(process_set=global_process_set):
     """Wait until every rank of the process set has reached the barrier."""
     collective_thread("hvd.barrier")
     pset = checked_process_set(process_set, "hvd.barrier")
-    # one stable name per process set: a rank is in at most one barrier at a time, and the
-    # negotiation's cache then knows it (one round, no descriptions, after the first barrier)
-    name = "barrier" if not pset.process_set_id else "barrier.set%d" % pset.process_set_id
-    synchronize(submit("barrier", name, {"kind": "barrier", "name": name}, (), pset, None))
+    synchronize(submit("barrier", auto_name("barrier", pset), {"kind": "barrier", "name": "barrier"}, (), pset,
+                       None))
 
 
 def join(device=-1):
