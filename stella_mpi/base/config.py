@@ -65,7 +65,7 @@ class Config:
     wan_pace_bps: float = 0.0     # user-space pacing of cross-cluster sends (stellarun --wan without namespaces)
     wan_pace_delay_s: float = 0.0  # one-way delay added per paced message round
     negotiation: str = "name"      # "name": ops matched by name, as Horovod; "order": in submission order
-    cycle_time_s: float = 1e-3     # HOROVOD_CYCLE_TIME (ms in the environment): one negotiation round per cycle
+    cycle_time_s: float = 2e-4     # HOROVOD_CYCLE_TIME (ms in the environment): one negotiation round per cycle
     cache_capacity: int = 1020     # HOROVOD_CACHE_CAPACITY: names the negotiation remembers (one bit each)
     stall_check_s: float = 60.0    # HOROVOD_STALL_CHECK_TIME_SECONDS (0 or HOROVOD_STALL_CHECK_DISABLE: off)
     stall_shutdown_s: float = 0.0  # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after a stall this long
@@ -94,7 +94,7 @@ class Config:
             wan_pace_bps=_non_negative("STELLA_WAN_PACE_BPS"),
             wan_pace_delay_s=_non_negative("STELLA_WAN_PACE_DELAY_S"),
             negotiation=_choice("STELLA_NEGOTIATION", "name", ("name", "order")),
-            cycle_time_s=_non_negative("HOROVOD_CYCLE_TIME", 1.0) / 1000.0,
+            cycle_time_s=_non_negative("HOROVOD_CYCLE_TIME", 0.2) / 1000.0,
             cache_capacity=int(_non_negative("HOROVOD_CACHE_CAPACITY", 1020)),
             stall_check_s=0.0 if _env(["HOROVOD_STALL_CHECK_DISABLE"], False, _bool) else
             _non_negative("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0),

@@ -227,8 +227,10 @@ class CollectiveThread:
         start = time.monotonic()
         try:
             while True:
-                # wait for the next cycle; a submission starts a round at once (with whatever else is
-                # queued by then), so a collective never waits for the cycle to come round
+                # wait for the next cycle; a submission starts a round one cycle time after it
+                # arrives at the latest (a back-off is cut short), gathering what else comes meanwhile:
+                # as in Horovod, submissions within a cycle are negotiated (and fused) together, and an
+                # op never completes between two calls of the same thread that follow each other
                 due = start + wait_s
                 while True:
                     left = due - time.monotonic()
@@ -236,7 +238,7 @@ class CollectiveThread:
                         op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    due = 0.0
+                    due = min(due, time.monotonic() + cycle)
                     if op is None:
                         stopping = True
                     elif op.kind == "join":
