@@ -22,7 +22,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import stella_mpi as hvd  # noqa: E402
-from e2e_train import RandomTask, comm_heavy_model  # noqa: E402
+from e2e_train import RandomTask, comm_heavy_model, timed_optimizer_steps  # noqa: E402
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
 from stella_mpi.core import state  # noqa: E402
 from stella_mpi.core.nonfinite import has_nonfinite  # noqa: E402
@@ -52,16 +52,7 @@ def run(make, compression, policy, steps):
         model, batch = make()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=compression)
-        times = []
-        for step in range(steps + 1):
-            x, y = batch()
-            hvd.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            if step:   # the first step builds buffers
-                times.append(time.perf_counter() - t0)
+        times = timed_optimizer_steps(model, opt, batch, steps)
         grads = [p.grad for p in model.parameters()]
         t0 = time.perf_counter()
         for _ in range(5):

@@ -53,6 +53,24 @@ class RandomTask:
         return x, (x @ self.w).argmax(1)
 
 
+def timed_optimizer_steps(model, opt, batch, steps):
+    """Seconds of each of ``steps`` DistributedOptimizer steps (forward, backward, reduction,
+    update), the ranks meeting at a barrier before each; one more step first, untimed (it builds
+    buffers)."""
+    import stella_mpi as hvd
+    times = []
+    for step in range(steps + 1):
+        x, y = batch()
+        hvd.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def ddp_setup(model):
     init_gloo_world()
     return torch.nn.parallel.DistributedDataParallel(model)

@@ -33,14 +33,13 @@ submission raise :class:`HorovodInternalError`, and the process ends
 import hashlib
 import itertools
 import json
+import logging
+import math
 import os
 import queue
 import threading
 import time
 import traceback
-
-import logging
-import math
 
 import numpy as np
 from mpi4py import MPI
@@ -106,7 +105,6 @@ class CollectiveThread:
             agreed = np.empty_like(cap)
             deadline.wait(comm.Iallreduce(cap, agreed, op=MPI.MIN), "hvd.init(): the response cache's capacity")
             self.negotiator = Negotiator(comm, deadline, int(agreed[0]), busy=lambda: not self._queue.empty())
-        self.stalls_reported = 0
         self.fused_ops = 0
         self._current = None
         self._queue = queue.Queue()
@@ -320,7 +318,6 @@ class CollectiveThread:
         text = "\n".join("  %r (process set %d): submitted by rank(s) %s; missing rank(s) %s"
                          % (key[1], key[0], ", ".join(map(str, have)), ", ".join(map(str, missing)))
                          for key, have, missing in lines)
-        self.stalls_reported += 1
         if self.rank == 0 and cfg.stall_check_s > 0:
             log.warning("stella_mpi: stall inspector: one or more collectives were submitted by some ranks and have "
                         "waited over %g s for the others:\n%s", min(self._stall_limits()), text)
@@ -353,16 +350,14 @@ class CollectiveThread:
             item = ready[i]
             group = [item]
             if self._fusible(item):
-                d0 = item.desc
-                sig = (item.key[0], d0["dtype"], d0["op"], d0["prescale"], d0["postscale"])
-                total = _nbytes(d0)
+                sig = _fusion_signature(item)
+                total = _nbytes(item.desc)
                 while i + len(group) < len(ready):
                     nxt = ready[i + len(group)]
-                    d = nxt.desc
-                    if not self._fusible(nxt) or (nxt.key[0], d["dtype"], d["op"], d["prescale"], d["postscale"]) \
-                            != sig or total + _nbytes(d) > self.config.fusion_threshold:
+                    if not self._fusible(nxt) or _fusion_signature(nxt) != sig or \
+                            total + _nbytes(nxt.desc) > self.config.fusion_threshold:
                         break
-                    total += _nbytes(d)
+                    total += _nbytes(nxt.desc)
                     group.append(nxt)
             i += len(group)
             if self.rank in item.members:
@@ -567,6 +562,12 @@ def _after_first(ready):
             break
         waiting = rest
     return out
+
+
+def _fusion_signature(item):
+    """What allreduces must share to go in one buffer: process set, dtype, op and scaling."""
+    d = item.desc
+    return item.key[0], d["dtype"], d["op"], d["prescale"], d["postscale"]
 
 
 def _nbytes(desc):
