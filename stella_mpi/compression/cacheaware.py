@@ -1,5 +1,6 @@
 """StellaTrain's cache-aware block selection."""
 from .._native import compress as kernels
+from . import device_select
 from .contracts import SparseCompressor
 
 
@@ -11,4 +12,8 @@ class CacheAwareCompressor(SparseCompressor):
 
     def _select(self, flat, n, k, residual, ctx):
         idx, val = kernels.block_topk(flat, k, residual, self.state(ctx.name, n))
+        return idx, val, None
+
+    def _select_on_device(self, flat, n, k, residual, ctx):
+        idx, val = device_select.block_topk(flat, k, residual)
         return idx, val, None

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 
 from .._native import compress as kernels
+from ..base.devices import on_device_route
+from . import device_select
 
 __all__ = ["TensorContext", "Compressor", "Selection", "SparseCompressor"]
 
@@ -86,8 +88,8 @@ def _flat_f32(tensor):
         raise TypeError("expected a torch tensor, got %s" % type(tensor).__name__)
     if tensor.dtype != torch.float32:
         raise TypeError("sparse compressors take float32 tensors, got %s" % tensor.dtype)
-    if tensor.device.type != "cpu":
-        raise ValueError("sparse compressors run on the CPU; got a %s tensor" % tensor.device)
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError("sparse compressors take CPU or CUDA tensors; got a %s tensor" % tensor.device)
     if not tensor.is_contiguous():
         raise ValueError("the tensor must be contiguous")
     return tensor.detach().view(-1)
@@ -183,22 +185,31 @@ class SparseCompressor(Compressor):
             return numel_and_state[1]
 
     def select(self, tensor, ctx, memory=None):
-        """Select entries of a flat float32 CPU tensor. With ``memory`` (error
+        """Select entries of a flat float32 tensor. With ``memory`` (error
         feedback) acc = tensor + residual[ctx.name]; entries are taken from acc
         and the residual becomes acc minus what is sent, so that, bit for bit,
         sent + residual == acc (for 16-bit wire values the rounding error stays
-        in the residual, exact while |acc| < 2x the largest finite wire value)."""
+        in the residual, exact while |acc| < 2x the largest finite wire value).
+
+        A CUDA tensor is selected on its device (:mod:`.device_select`, torch operations with
+        the C kernels' rules); the Selection and the residual stay on that device. CPU tensors
+        run the C kernels (or the torch operations too under ``STELLA_DEVICE_PATH=torch``)."""
         flat = _flat_f32(tensor)
         n = flat.numel()
         if n > kernels.MAX_NUMEL:
             raise ValueError("tensor %r has %d elements; split it below %d" % (ctx.name, n, kernels.MAX_NUMEL))
-        residual = memory.residual(ctx.name, n) if memory is not None else None
+        residual = memory.residual(ctx.name, n, flat.device) if memory is not None else None
         k = self.k_for(n)
         key = None
+        on_device = on_device_route(flat)
         if n == 0:
-            idx, val = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
+            idx = torch.empty(0, dtype=torch.int32, device=flat.device)
+            val = torch.empty(0, dtype=torch.float32, device=flat.device)
         elif self.is_small(n):
-            idx, val = kernels.topk(flat, k, residual, self.state(ctx.name, n))
+            idx, val = (device_select.topk(flat, k, residual) if on_device
+                        else kernels.topk(flat, k, residual, self.state(ctx.name, n)))
+        elif on_device:
+            idx, val, key = self._select_on_device(flat, n, k, residual, ctx)
         else:
             idx, val, key = self._select(flat, n, k, residual, ctx)
         if self.value_dtype != "float32" and len(idx):
@@ -208,6 +219,11 @@ class SparseCompressor(Compressor):
     def _select(self, flat, n, k, residual, ctx):
         """(indices, values, random-k key or None) of k entries of ``flat`` (+ ``residual``)."""
         raise NotImplementedError
+
+    def _select_on_device(self, flat, n, k, residual, ctx):
+        """:meth:`_select` in torch operations (CUDA tensors); the exact top-k unless overridden."""
+        idx, val = device_select.topk(flat, k, residual)
+        return idx, val, None
 
     def _round_to_wire(self, idx, val, residual):
         wire = _WIRE[self.value_dtype]

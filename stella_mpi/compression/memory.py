@@ -12,20 +12,25 @@ __all__ = ["Memory"]
 
 
 class Memory:
-    """Residuals by tensor name: flat float32 CPU tensors, created as zeros on
-    first use and updated in place by the selection kernels."""
+    """Residuals by tensor name: flat float32 tensors on the device of their gradient
+    (CPU or CUDA), created as zeros on first use and updated in place by the selection."""
 
     def __init__(self):
         self._res = {}
         self._lock = threading.Lock()
 
-    def residual(self, name, numel):
-        """The residual of ``name`` (created as zeros). A name reused with another size is a new
-        tensor, as in Horovod: its residual starts afresh."""
+    def residual(self, name, numel, device="cpu"):
+        """The residual of ``name`` (created as zeros on ``device``). A name reused with another
+        size is a new tensor, as in Horovod: its residual starts afresh; one that comes back on
+        another device (a model moved) keeps its residual, moved there."""
+        device = torch.device(device)
         with self._lock:
             r = self._res.get(name)
             if r is None or r.numel() != numel:
-                r = torch.zeros(int(numel), dtype=torch.float32)
+                r = torch.zeros(int(numel), dtype=torch.float32, device=device)
+                self._res[name] = r
+            elif r.device != device:
+                r = r.to(device)
                 self._res[name] = r
             return r
 

@@ -1,5 +1,6 @@
 """Random-k: indices every rank draws alike, so the payload carries values only."""
 from .._native import compress as kernels
+from . import device_select
 from .contracts import SparseCompressor
 
 
@@ -14,6 +15,11 @@ class RandomKCompressor(SparseCompressor):
     def _select(self, flat, n, k, residual, ctx):
         key = self._key(ctx)
         idx, val = kernels.randomk_select(flat, k, key, residual)
+        return idx, val, key
+
+    def _select_on_device(self, flat, n, k, residual, ctx):
+        key = self._key(ctx)
+        idx, val = device_select.randomk(flat, k, key, residual)
         return idx, val, key
 
     def _expected_key(self, ctx, numel):
