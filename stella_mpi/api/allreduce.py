@@ -5,7 +5,8 @@ from ..compression import Compression
 from ..core import state
 from ..core.dtypes import dtype_name
 from ..core.process_sets import global_process_set
-from .handles import auto_name, collective_thread, host, staged, submit, synchronize
+from ..base.devices import device_name, one_device
+from .handles import auto_name, collective_thread, host, on_device, staged, submit, synchronize
 from .reduce_ops import OP_NAMES, Average, Sum, handle_average_backwards_compatibility, op_name
 from .validation import check_tensor, checked_process_set, dense_compression
 
@@ -23,25 +24,30 @@ def allreduce_tensors_async(tensors, outputs_from, name, op, prescale, postscale
     for t in tensors:
         check_tensor(t, what)
     dtype, device = tensors[0].dtype, tensors[0].device
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if t.dtype != dtype:
             raise ValueError("%s: all tensors of a group must share one dtype (got %s and %s)" % (what, dtype, t.dtype))
         if t.device != device:
-            raise RuntimeError("Tensors in list must be on same device.")
+            raise RuntimeError("Tensors in list must be on same device. (%s: tensor %d is on %s, tensor 0 on %s)"
+                               % (what, i, t.device, device))
     opname = op_name(op, dtype)
     if dtype == torch.bool and (prescale != 1.0 or postscale != 1.0):
         raise TypeError("%s: prescale/postscale factors do not apply to bool tensors" % what)
     name = name or auto_name(prefix, pset)
     desc = {"kind": "allreduce", "name": name, "dtype": dtype_name(dtype),
             "shapes": [list(t.shape) for t in tensors], "op": opname,
-            "prescale": float(prescale), "postscale": float(postscale)}
-    hosts = [host(t) for t in tensors]
-    host_outs, post = staged(outputs_from(tensors), hosts)
+            "prescale": float(prescale), "postscale": float(postscale), "device": device_name(device)}
+    if device.type == "cuda" and opname != "adasum":
+        hosts, host_outs, post = on_device(tensors, outputs_from(tensors))
+    else:
+        hosts = [host(t) for t in tensors]
+        host_outs, post = staged(outputs_from(tensors), hosts)
     if single:
         post_all = post
         post = lambda result: post_all(result)[0]  # noqa: E731
     check = gradients and state.current().config.nonfinite != "off"
-    return submit("allreduce", name, desc, (hosts, host_outs), pset, post, finite=hosts if check else None)
+    return submit("allreduce", name, desc, (hosts, host_outs), pset, post, finite=hosts if check else None,
+                  device_inputs=hosts if device.type == "cuda" else None)
 
 
 def new_outputs(tensors):
@@ -102,19 +108,24 @@ def compressed_allreduce_async(tensors, compression, name, op=Average, prescale_
             raise TypeError("%s: sparse compression takes float32 tensors, got %s" % (what, t.dtype))
     if op not in (Average, Sum):
         raise ValueError("%s: sparse compression sums; op must be hvd.Average or hvd.Sum" % what)
+    device = one_device(tensors, what)
     if step is None:
         step = rt.sparse_steps.get(name, 0)
         rt.sparse_steps[name] = step + 1
     desc = {"kind": "sparse_allreduce", "name": name, "dtype": "float32",
             "shapes": [list(t.shape) for t in tensors], "op": OP_NAMES[op], "prescale": float(prescale_factor),
             "postscale": float(postscale_factor), "compressor": list(compression.settings()), "step": int(step),
-            "seed": rt.config.seed}
-    hosts = [host(t) for t in tensors]
+            "seed": rt.config.seed, "device": device_name(device)}
     outputs = list(tensors) if inplace else [torch.empty_like(t) for t in tensors]
-    host_outs, post = staged(outputs, hosts)
+    if device.type == "cuda":
+        hosts, host_outs, post = on_device(tensors, outputs)
+    else:
+        hosts = [host(t) for t in tensors]
+        host_outs, post = staged(outputs, hosts)
     mem = rt.sparse_memory if memory is None else memory
     return submit("sparse_allreduce", name, desc, (hosts, host_outs, compression, mem), pset, post,
-                  finite=hosts if rt.config.nonfinite != "off" else None)
+                  finite=hosts if rt.config.nonfinite != "off" else None,
+                  device_inputs=hosts if device.type == "cuda" else None)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,

@@ -1,10 +1,13 @@
 """Handing an op to the collective thread and getting its result back: host staging of the
 tensors, the integer handles of Horovod's ``*_async`` calls, ``poll`` and ``synchronize``.
 
-CUDA tensors travel through host memory on this route: each call stages its inputs on the
-host, and the handle's post-processing copies the result back where the caller wants it."""
+Allreduces (dense and sparse) take CUDA tensors as they are (:func:`on_device`): the collective
+thread reads them after an event of the caller's stream and works on a side stream
+(base/devices.py). The other collectives move bytes over MPI: their CUDA inputs are staged on
+the host, and the handle's post-processing copies the result back where the caller wants it."""
 import torch
 
+from ..base.devices import ready_event
 from ..core.collective_thread import Op
 from ..core.executors import EXECUTORS
 from .validation import running
@@ -43,11 +46,20 @@ def staged(outputs, hosts):
     return host_outs, post
 
 
-def submit(kind, name, desc, inputs, pset, post, finite=None):
+def on_device(tensors, outputs):
+    """Inputs and outputs of an allreduce of CUDA tensors, handed over as they are (the
+    collective thread waits for the caller's stream: see :func:`submit`)."""
+    return [t.detach() for t in tensors], list(outputs), (lambda result: outputs)
+
+
+def submit(kind, name, desc, inputs, pset, post, finite=None, device_inputs=None):
     """Queue an op of the public API; returns its handle. ``finite``: tensors (gradients) that
-    must hold no NaN/Inf on any rank, checked in the agreement round (see core/nonfinite.py)."""
+    must hold no NaN/Inf on any rank, checked in the agreement round (see core/nonfinite.py).
+    ``device_inputs``: CUDA tensors the op reads on the device; an event recorded now on the
+    caller's stream tells the collective thread when they are written."""
     thread = collective_thread("hvd.%s" % kind)
-    return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset, finite), post)
+    ready = ready_event(device_inputs) if device_inputs else None
+    return thread.submit(Op(kind, name, desc, inputs, EXECUTORS[kind].run, pset, finite, ready), post)
 
 
 class GroupHandle:

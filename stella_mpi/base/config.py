@@ -69,6 +69,7 @@ class Config:
     cache_capacity: int = 1020     # HOROVOD_CACHE_CAPACITY: names the negotiation remembers (one bit each)
     stall_check_s: float = 60.0    # HOROVOD_STALL_CHECK_TIME_SECONDS (0 or HOROVOD_STALL_CHECK_DISABLE: off)
     stall_shutdown_s: float = 0.0  # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after a stall this long
+    nccl: str = "auto"             # STELLA_NCCL: "auto" (NCCL for CUDA tensors where every cluster rank has its GPU) or "off"
 
     @classmethod
     def from_env(cls):
@@ -99,6 +100,7 @@ class Config:
             stall_check_s=0.0 if _env(["HOROVOD_STALL_CHECK_DISABLE"], False, _bool) else
             _non_negative("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0),
             stall_shutdown_s=_non_negative("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+            nccl=_choice("STELLA_NCCL", "auto", ("auto", "off")),
         )
 
 

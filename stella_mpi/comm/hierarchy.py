@@ -21,6 +21,8 @@ clusters MPI does, on the communicators of :class:`.topology.Communicators`:
 
 Every byte that crosses clusters is counted in ``stats`` and paced by ``pacer``.
 """
+import logging
+import socket
 import time
 
 import numpy as np
@@ -28,10 +30,14 @@ import torch
 from mpi4py import MPI
 
 from .._native.dense import accumulate as _accumulate_f32
+from ..base.devices import route_for
 from .adasum import adasum_allreduce
 from .buffers import byte_view, displacements, mpi_view, split_counts
-from .intra import MPI_OPS
+from .intra import MPI_OPS, NCCL_DTYPES, NcclIntra, StagedIntra, nccl_usable
+from .messages import allgather_json
 from .pacing import Pacer
+
+log = logging.getLogger("stella_mpi")
 
 
 def compute_dtype(dtype):
@@ -70,8 +76,10 @@ class Hierarchy:
     summed over 3+ clusters; ``tamper`` (tests only) is applied to this rank's outgoing sparse
     payloads."""
 
-    def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto"):
+    def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto", nccl="auto"):
         self.comms = comms
+        self.nccl = nccl            # "auto": NCCL inside a cluster whose ranks have their own GPUs; "off"
+        self.device_intras = {}     # CUDA device -> NcclIntra, or None (staged through the host)
         self.topo = comms.topo
         self.intra = intra
         self.deadline = deadline
@@ -82,15 +90,68 @@ class Hierarchy:
         self.tamper = None
         self._scratch = {}
 
-    def scratch(self, slot, n, dtype):
+    def scratch(self, slot, n, dtype, device=None):
         """A reusable buffer of ``n`` elements (fresh allocations of large buffers cost page
-        faults on every call). Only the collective thread uses it, one op at a time; callers
-        never hand it out to users."""
-        buf = self._scratch.get((slot, dtype))
+        faults on every call) on ``device`` (default: the CPU). Only the collective thread uses
+        it, one op at a time; callers never hand it out to users."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        buf = self._scratch.get((slot, dtype, device))
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 1), dtype=dtype)
-            self._scratch[(slot, dtype)] = buf
+            buf = torch.empty(max(n, 1), dtype=dtype, device=device)
+            self._scratch[(slot, dtype, device)] = buf
         return buf[:n]
+
+    # ---------------- CUDA tensors inside the cluster ----------------
+
+    def prepare_device(self, device):
+        """Set up the intra-cluster route of CUDA ``device`` (once; a collective of this cluster,
+        run by every member at the same op): NCCL when every rank of the cluster has a GPU of its
+        own and NCCL works everywhere, else the host backend through pinned staging, with a
+        warning that names the ranks sharing a GPU."""
+        device = torch.device(device)
+        if device.type != "cuda" or device in self.device_intras:
+            return
+        topo = self.topo
+        if topo.cluster_size == 1:
+            self.device_intras[device] = None
+            return
+        props = torch.cuda.get_device_properties(device)
+        gpu = "%s/%s" % (socket.gethostname(), getattr(props, "uuid", device.index))
+        mine = {"gpu": gpu, "nccl": self.nccl != "off" and nccl_usable()}
+        everyone = allgather_json(self.comms.cluster, mine, self.deadline, "GPU layout of the cluster")
+        gpus = [e["gpu"] for e in everyone]
+        members = topo.cluster_members[topo.cluster_id]
+        shared = sorted({g for g in gpus if gpus.count(g) > 1})
+        if not shared and all(e["nccl"] for e in everyone):
+            self.device_intras[device] = NcclIntra(self.comms.cluster, self.deadline,
+                                                   len({g.split("/")[0] for g in gpus}) == 1)
+            return
+        self.device_intras[device] = None
+        if topo.cluster_rank == 0:
+            if shared:
+                detail = "; ".join("ranks %s share GPU %s" % ([self.ranks[m] for m, g in zip(members, gpus) if g == s], s)
+                                   for s in shared) + " (NCCL refuses two ranks on one GPU)"
+            else:
+                detail = "NCCL is not usable (or STELLA_NCCL=off) on ranks %s" % [
+                    self.ranks[m] for m, e in zip(members, everyone) if not e["nccl"]]
+            log.warning("stella_mpi: cluster %d: %s; its CUDA tensors go through pinned host memory and %s inside "
+                        "the cluster", topo.cluster_id, detail, self.intra.name)
+
+    def intra_for(self, buf):
+        """The intra-cluster backend for ``buf``: the host one for CPU tensors; NCCL, or the host
+        one through pinned staging, for CUDA tensors (:meth:`prepare_device` decided which)."""
+        if buf.device.type != "cuda":
+            return self.intra
+        nccl = self.device_intras.get(buf.device)
+        if nccl is not None and buf.dtype in NCCL_DTYPES:
+            return nccl
+        return StagedIntra(self.intra, route_for(buf.device))
+
+    def free_devices(self):
+        for intra in self.device_intras.values():
+            if intra is not None:
+                intra.free()
+        self.device_intras = {}
 
     # ---------------- reduction across clusters ----------------
 
@@ -102,12 +163,13 @@ class Hierarchy:
         if topo.cluster_size == 1:
             return buf, counts
         me = topo.cluster_rank
-        return self.intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype)), counts
+        return self.intra_for(buf).reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype,
+                                                                              buf.device)), counts
 
     def gather_shards(self, shard, counts, out):
         """All-gather the cluster's shards (this rank's is ``shard``) into ``out``."""
         if self.topo.cluster_size > 1:
-            self.intra.allgather_into(shard, counts, out)
+            self.intra_for(shard).allgather_into(shard, counts, out)
         elif shard is not out:
             out.copy_(shard)
 
@@ -123,11 +185,11 @@ class Hierarchy:
             self.gather_shards(shard, counts, buf)
             return
         if topo.cluster_size > 1:
-            self.intra.reduce(buf, op, root=0)
+            self.intra_for(buf).reduce(buf, op, root=0)
         if topo.cluster_rank == 0:
             cross(buf, self.comms.leaders, "leader")
         if topo.cluster_size > 1:
-            self.intra.bcast(buf, root=0)
+            self.intra_for(buf).bcast(buf, root=0)
 
     def allreduce(self, buf, op, wire_dtype=None):
         """Reduce ``buf`` (flat, compute dtype) over all ranks, in place.
@@ -137,7 +199,7 @@ class Hierarchy:
         if topo.size == 1:
             return
         if topo.num_clusters == 1:
-            self.intra.allreduce(buf, op)
+            self.intra_for(buf).allreduce(buf, op)
             return
         self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))
 
@@ -204,10 +266,18 @@ class Hierarchy:
 
     def cross_reduce(self, buf, op, comm, wire_dtype=None):
         """The dense cross-cluster step: reduce ``buf`` in place over ``comm`` (one rank per
-        cluster), with ``wire_dtype`` on the wire when given."""
+        cluster), with ``wire_dtype`` on the wire when given. A CUDA ``buf`` crosses to pinned
+        host memory and back (the WAN is MPI's)."""
         nclusters = comm.Get_size()
         n = buf.numel()
         if nclusters == 1 or n == 0:
+            return
+        if buf.device.type == "cuda":
+            route = route_for(buf.device)
+            host = route.to_host(buf, "cross")
+            self.cross_reduce(host, op, comm, wire_dtype)
+            route.to_device(host, out=buf)
+            route.finish()
             return
         small_float = wire_dtype in (torch.float16, torch.bfloat16)
         if small_float:

@@ -144,7 +144,9 @@ class TorchIntra:
                 opts._devices = [dist.ProcessGroupGloo.create_default_device()]
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
         elif backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, dist.ProcessGroupNCCL.Options())
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
         else:
             raise ValueError("unknown torch.distributed backend %r" % backend)
 
@@ -229,3 +231,120 @@ def pick_cpu_backend(comm, mpi_intra, gloo_intra, deadline, nbytes=4 << 20, reps
         times.append(best + time.perf_counter() - t0)
     agreed = allreduce_max(comm, times, deadline, "intra backend timing")
     return (mpi_intra if agreed[0] <= agreed[1] else gloo_intra), agreed
+
+
+class NcclIntra(TorchIntra):
+    """NCCL inside a cluster whose ranks each have their own GPU (CUDA tensors only). The
+    reduce-scatter and all-gather are NCCL's own (equal chunks: uneven shards are padded), so
+    each rank's shard is all that lands on it. Waits are bounded by the deadline on the host
+    (NCCL's own watchdog has the same timeout)."""
+
+    def __init__(self, comm, deadline, one_node, ifname=""):
+        super().__init__(comm, deadline, one_node, ifname, backend="nccl")
+
+    def _wait(self, work, what):
+        import time
+        work.wait()   # the current (side) stream waits for NCCL's
+        start, nap = time.monotonic(), 20e-6
+        while not work.is_completed():
+            if time.monotonic() - start > self.deadline.timeout_s:
+                raise self.deadline._expired(what)
+            time.sleep(nap)
+            nap = min(nap * 2, 2e-3)
+
+    def _padded(self, buf, counts, width):
+        if all(c == width for c in counts) and buf.numel() == width * len(counts):
+            return buf
+        padded = torch.zeros(width * len(counts), dtype=buf.dtype, device=buf.device)
+        start = 0
+        for r, c in enumerate(counts):
+            padded[r * width:r * width + c] = buf[start:start + c]
+            start += c
+        return padded
+
+    def reduce_scatter(self, buf, counts, op, out=None):
+        width = max(counts) if counts else 0
+        mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = TORCH_OPS[op]
+        self._wait(self.pg._reduce_scatter_base(mine, self._padded(buf, counts, width), opts),
+                   "intra-cluster reduce-scatter (nccl)")
+        mine = mine[:counts[self.rank]]
+        if out is None:
+            return mine
+        out.copy_(mine)
+        return out
+
+    def allgather_into(self, shard, counts, out):
+        width = max(counts) if counts else 0
+        padded = shard
+        if shard.numel() != width:
+            padded = torch.zeros(width, dtype=shard.dtype, device=shard.device)
+            padded[:shard.numel()] = shard
+        if all(c == width for c in counts) and out.is_contiguous():
+            self._wait(self.pg._allgather_base(out, padded), "intra-cluster allgather (nccl)")
+            return
+        whole = torch.empty(width * len(counts), dtype=shard.dtype, device=shard.device)
+        self._wait(self.pg._allgather_base(whole, padded), "intra-cluster allgather (nccl)")
+        start = 0
+        for r, c in enumerate(counts):
+            out[start:start + c] = whole[r * width:r * width + c]
+            start += c
+
+
+class StagedIntra:
+    """CUDA tensors reduced by the CPU backend (MPI or gloo) through pinned host buffers: the
+    route of a cluster whose ranks share a GPU (NCCL refuses that) or that has no NCCL. Each
+    call copies device-to-host on the route's side stream, runs the host collective and copies
+    back; the pinned buffers are reused, so each call finishes its copies before it returns."""
+
+    def __init__(self, host_intra, route):
+        self.host = host_intra
+        self.route = route
+        self.name = "staged+" + host_intra.name
+
+    def _back(self, host, out):
+        self.route.to_device(host, out=out)
+        self.route.finish()
+        return out
+
+    def allreduce(self, buf, op):
+        host = self.route.to_host(buf, "intra.in")
+        self.host.allreduce(host, op)
+        self._back(host, buf)
+
+    def reduce_scatter(self, buf, counts, op, out=None):
+        host = self.route.to_host(buf, "intra.in")
+        shard = self.host.reduce_scatter(host, counts, op)
+        if out is None:
+            out = torch.empty(shard.numel(), dtype=buf.dtype, device=buf.device)
+        return self._back(shard, out)
+
+    def allgather_into(self, shard, counts, out):
+        host = self.route.to_host(shard, "intra.in")
+        whole = self.route.host_buffer("intra.out", out.numel(), out.dtype)
+        self.host.allgather_into(host, counts, whole)
+        self._back(whole, out)
+
+    def reduce(self, buf, op, root):
+        host = self.route.to_host(buf, "intra.in")
+        self.host.reduce(host, op, root)
+        self._back(host, buf)
+
+    def bcast(self, buf, root):
+        host = self.route.to_host(buf, "intra.in")
+        self.host.bcast(host, root)
+        self._back(host, buf)
+
+    def free(self):
+        pass
+
+
+# what NCCL reduces (bool travels as uint8; int16 and the rest go through StagedIntra)
+NCCL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
+               torch.int64)
+
+
+def nccl_usable():
+    return torch.cuda.is_available() and dist.is_available() and hasattr(dist, "ProcessGroupNCCL") \
+        and dist.is_nccl_available()

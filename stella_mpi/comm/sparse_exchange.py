@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from .._native import compress as kernels
+from ..base.devices import route_for
 from ..base.errors import HorovodInternalError
 from ..compression import Selection, TensorContext, merge_selections, scatter_add
 from .buffers import displacements
@@ -87,13 +88,13 @@ def _decode_from(hier, comp, piece, ctx, n, kind, index, name):
                                % (_sender_rank(hier, kind, index), name, ctx.step, e)) from None
 
 
-def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind):
+def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
     """Sum selections over a power-of-two number of clusters by recursive doubling: in round r
     each rank swaps its current selection with rank ``me ^ 2**r``, merges the two (lower rank
     first, so both sides get the same bits) and keeps the k largest entries. Each rank sends
     log2(C) payloads of at most k entries instead of the C-1 of an all-gather. What a round
     drops goes into the residual of one rank (the lowest of the ranks that computed the same
-    merge), so error feedback sends it later."""
+    merge), so error feedback sends it later (the residual lives on ``device``)."""
     me, nranks = comm.Get_rank(), comm.Get_size()
     k = max(len(sel), 1)
     current = sel
@@ -117,8 +118,8 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind):
             # after this round the 2r ranks sharing me's higher bits all hold the same merge:
             # only the lowest of them keeps what was dropped, so it is counted once
             if memory is not None and me & (2 * r - 1) == 0:
-                res = memory.residual(key, n)
-                res.index_add_(0, merged.indices[~keep].long(), merged.values[~keep])
+                res = memory.residual(key, n, device)
+                res.index_add_(0, merged.indices[~keep].long().to(device), merged.values[~keep].to(device))
             merged = Selection(merged.indices[keep].contiguous(), merged.values[keep].contiguous(), n)
         current = merged
         t3 = time.perf_counter()
@@ -160,19 +161,31 @@ def _sender_rank(hier, kind, index):
     return hier.ranks[member]
 
 
+def _to_host(sel):
+    """A selection made on a GPU, copied device-to-host into pinned buffers on the side stream:
+    only the selected entries cross PCIe. The buffers belong to the collective thread's current
+    op (the codec and the merge read them; the merged result is new memory)."""
+    if sel.indices.device.type == "cpu":
+        return sel
+    route = route_for(sel.indices.device)
+    idx = route.to_host(sel.indices, "selection.indices", wait=False)
+    val = route.to_host(sel.values, "selection.values")
+    return Selection(idx, val, sel.numel, sel.key)
+
+
 def sparse_reduce(hier, buf, comp, memory, name, step, seed, comm, kind):
-    """Sum ``buf`` (this rank's shard of the cluster sum, float32) over the clusters on ``comm``
-    through the compressor (error feedback in ``memory`` unless it is None); returns the merged
-    Selection (not yet scaled)."""
+    """Sum ``buf`` (this rank's shard of the cluster sum, float32, on the CPU or a GPU) over the
+    clusters on ``comm`` through the compressor (error feedback in ``memory`` unless it is
+    None); returns the merged Selection (on the host, not yet scaled)."""
     key = residual_key(name, kind, hier.topo)
     ctx = TensorContext(name=key, step=step, shape=(buf.numel(),), seed=seed)
     grad_sq = float(torch.dot(buf, buf))
     t0 = time.perf_counter()
-    sel = comp.select(buf, ctx, memory=memory)
+    sel = _to_host(comp.select(buf, ctx, memory=memory))
     t1 = time.perf_counter()
     hier.stats.add(select_s=t1 - t0, elements=buf.numel(), entries_sent=len(sel))
     if choose_algorithm(hier.sparse_algorithm, comm.Get_size(), 8 * len(sel)) == "tree":
-        merged = tree_reduce(hier, comm, sel, comp, ctx, memory, key, buf.numel(), kind)
+        merged = tree_reduce(hier, comm, sel, comp, ctx, memory, key, buf.numel(), kind, buf.device)
     else:
         merged = _allgather_reduce(hier, comm, sel, comp, ctx, buf.numel(), kind)
     # after the exchange: the tree may have put dropped entries into the residual

@@ -59,13 +59,13 @@ log = logging.getLogger("stella_mpi")
 _NEUTRAL = np.iinfo(np.int64).min
 _HASH_MASK = (1 << 62) - 1
 _IDLE_CAP_S = 20e-3     # the longest cycle while every rank is idle or nothing moves
-_FUSIBLE_KEYS = {"kind", "name", "dtype", "shapes", "op", "prescale", "postscale"}
+_FUSIBLE_KEYS = {"kind", "name", "dtype", "shapes", "op", "prescale", "postscale", "device"}
 
 
 class Op:
-    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle", "finite")
+    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle", "finite", "ready")
 
-    def __init__(self, kind, name, desc, inputs, execute, pset, finite=None):
+    def __init__(self, kind, name, desc, inputs, execute, pset, finite=None, ready=None):
         self.kind = kind            # "allreduce", "allgather", ...: picks the neutral input for join
         self.name = name
         self.desc = desc            # JSON-able; equal on every rank of pset
@@ -74,6 +74,7 @@ class Op:
         self.pset = pset
         self.handle = None
         self.finite = finite        # tensors that must hold no NaN/Inf on any rank (gradients), or None
+        self.ready = ready          # CUDA inputs: an event of the caller's stream, waited for before they are read
 
 
 class Handle:
@@ -193,6 +194,8 @@ class CollectiveThread:
                 if op.kind == "join":
                     op.handle.result = self._join(op)
                 else:
+                    if op.ready is not None:
+                        op.ready.synchronize()
                     nonfinite = None if op.finite is None else has_nonfinite(op.finite)
                     joined = self._agree(op.pset, op.desc, nonfinite)
                     op.handle.result = op.execute(op.pset, op.desc, op.inputs, joined)
@@ -297,6 +300,8 @@ class CollectiveThread:
 
     def _accept(self, op, pending):
         key = (op.pset.process_set_id, op.name)
+        if op.ready is not None:
+            op.ready.synchronize()   # CUDA inputs: the kernels that write them have run
         nonfinite = False if op.finite is None else bool(has_nonfinite(op.finite))
         pending[key] = Pending(key, op.desc, op.pset.ranks, nonfinite, time.monotonic(), op)
 
@@ -565,9 +570,9 @@ def _after_first(ready):
 
 
 def _fusion_signature(item):
-    """What allreduces must share to go in one buffer: process set, dtype, op and scaling."""
+    """What allreduces must share to go in one buffer: process set, dtype, op, scaling and device."""
     d = item.desc
-    return item.key[0], d["dtype"], d["op"], d["prescale"], d["postscale"]
+    return item.key[0], d["dtype"], d["op"], d["prescale"], d["postscale"], d.get("device", "cpu")
 
 
 def _nbytes(desc):

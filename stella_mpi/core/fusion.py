@@ -10,7 +10,7 @@ def fuse(tensors, outputs, cdt):
         if outputs[0] is not tensors[0]:
             buf.copy_(tensors[0].reshape(-1))
         return buf, True
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt)
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt, device=tensors[0].device)
     if len(tensors) > 8 and all(t.dtype == cdt for t in tensors):   # many small tensors: one kernel
         torch.cat([t.reshape(-1) for t in tensors], out=buf)
         return buf, False

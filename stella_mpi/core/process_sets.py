@@ -60,7 +60,7 @@ class ProcessSet:
         self.comms = Communicators(comm, topo, self.deadline)
         self.intra = self._intra_backend(topo, config)
         self.hierarchy = Hierarchy(self.comms, self.intra, self.deadline, self.ranks, stats, pacer,
-                                   config.sparse_algorithm)
+                                   config.sparse_algorithm, config.nccl)
 
     def _intra_backend(self, topo, config):
         """MPI or gloo inside this rank's cluster: the one the setting names, or the faster."""
@@ -121,6 +121,7 @@ class ProcessSet:
 
     def _free(self):
         if self.comms is not None:
+            self.hierarchy.free_devices()
             self.intra.free()
             comm = self.comms.comm
             self.comms.free()

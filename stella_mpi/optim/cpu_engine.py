@@ -12,7 +12,14 @@ on the collective thread, while the training thread goes on::
 
 The training thread copies a staged update into the model's parameters itself, in a
 forward pre-hook of the module that owns them, so a forward never sees a half-applied
-update. Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
+update.
+
+CUDA models (StellaTrain's pipeline): the gradient of a bucket goes device-to-host into a pinned
+buffer on the device's side stream as soon as its hook fires (the collective thread waits for
+that copy, not for backward); the master, the optimizer and the exchange stay on the CPU; an
+update goes back host-to-device on the side stream, queued in ``step()`` when it is already done
+(else in the pre-hook), and each module's forward pre-hook makes the compute stream wait only for
+its own buckets' copies. A pinned staging slot is written again only after its copy has run. Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
 s = 1 the update of step t runs while step t+1 computes; with s = 0 ``step()`` waits.
 Exactly the required update is applied (not a newer one that happens to be ready), so
 every rank computes with the same parameters.
@@ -35,6 +42,8 @@ from .._native.pool import CpuPool
 from ..adjust.session import AdjustedOptimizer, adjust_session
 from ..api.allgather import allgather
 from ..api.handles import synchronize
+from ..api.handles import poll
+from ..base.devices import one_device, route_for
 from ..base.errors import HorovodInternalError, NonFiniteGradientError
 from ..comm.buffers import split_counts
 from ..comm.sparse_exchange import sparse_reduce
@@ -77,16 +86,21 @@ class _CpuBucket(Bucket):
         self.staged = [None, None]
         self.predicted = None   # this rank's shard of the predicted weights (stale_prediction)
         self.counts = None
+        # CUDA models: pinned host copies of the gradient per step parity, and events of the
+        # side stream: staged[slot] copied into the parameters (the slot may be written again)
+        self.grad_host = [None, None]
+        self.copied = [None, None]
+        self.in_params = None   # event: the last update copied into the parameters
         self.times = dict.fromkeys(TIMES, 0.0)
 
 
-def _copy_into_params(flat, params):
+def _copy_into_params(flat, params, non_blocking=False):
     """Copy the flat float32 ``flat`` into ``params`` (in order, each its numel)."""
     off = 0
     with torch.no_grad():
         for p in params:
             n = p.numel()
-            p.view(-1).copy_(flat[off:off + n])
+            p.view(-1).copy_(flat[off:off + n], non_blocking=non_blocking)
             off += n
 
 
@@ -117,6 +131,8 @@ def execute_cpu_update(pset, desc, inputs, joined):
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead
     src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
     t2 = clock()
+    if bucket.copied[step % 2] is not None:
+        bucket.copied[step % 2].synchronize()   # CUDA model: step-2's copy out of this slot has run
     hier.gather_shards(src, counts, bucket.staged[step % 2])
     t3 = clock()
     hier.stats.add(engine_s=t3 - t0)
@@ -166,10 +182,14 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._steps = 0
         self._names = parameter_names(self.param_groups, named_parameters)
         sequences = [list(reversed([q for q in g["params"] if q.requires_grad])) for g in self.param_groups]
-        for p in (p for seq in sequences for p in seq):
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError("engine='cpu' keeps float32 CPU master weights; parameter %r is %s on %s"
-                                 % (self._names[p], p.dtype, p.device))
+        flat_params = [p for seq in sequences for p in seq]
+        for p in flat_params:
+            if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda"):
+                raise ValueError("engine='cpu' keeps float32 master weights on the CPU for float32 CPU or CUDA "
+                                 "parameters; parameter %r is %s on %s" % (self._names[p], p.dtype, p.device))
+        self._device = one_device(flat_params, "engine='cpu'", [self._names[p] for p in flat_params]) \
+            if flat_params else torch.device("cpu")
+        self._route = route_for(self._device) if self._device.type == "cuda" else None
         rt = state.current()
         # the pool first: if its cores are refused, no hook is left on the model's parameters
         self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
@@ -205,7 +225,37 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
     def _ensure_buckets(self, indices):
         need = self._required()
         for i in indices:
-            self._apply_through(self._buckets[i], need)
+            bucket = self._buckets[i]
+            self._apply_through(bucket, need)
+            self._wait_copied(bucket)
+
+    def _wait_copied(self, bucket):
+        """CUDA model: the compute stream waits for this bucket's last copy into its parameters
+        (only this one: the other layers' copies go on meanwhile)."""
+        if bucket.in_params is not None:
+            torch.cuda.current_stream(self._device).wait_event(bucket.in_params)
+            bucket.in_params = None
+
+    def _copy_update(self, bucket, slot):
+        """Put staged update ``slot`` into the parameters: a plain copy on the CPU; for a CUDA
+        model, host-to-device on the side stream after what the compute stream has queued so far
+        (the parameters' last readers), with events for the slot and for the forward."""
+        if self._route is None:
+            _copy_into_params(bucket.staged[slot], bucket.params)
+            return
+        route = self._route
+        route.after(torch.cuda.current_stream(self._device).record_event())
+        with route.context():
+            _copy_into_params(bucket.staged[slot], bucket.params, non_blocking=True)
+        bucket.copied[slot] = bucket.in_params = route.record()
+
+    def _apply_done(self, need):
+        """CUDA model, in step(): queue the copies of the updates up to ``need`` that are done
+        already, so they overlap the forward of the layers before theirs."""
+        for bucket in self._buckets:
+            while bucket.applied < need and bucket.applied + 1 in bucket.handles \
+                    and poll(bucket.handles[bucket.applied + 1]):
+                self._apply_through(bucket, bucket.applied + 1)
 
     def _apply_through(self, bucket, step):
         """Copy the staged updates of ``bucket`` up to ``step`` into the parameters, in order."""
@@ -225,7 +275,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             t1 = time.perf_counter()
             if self._adjust is not None:
                 self._adjust.idle(t1 - t0)
-            _copy_into_params(bucket.staged[s % 2], bucket.params)
+            self._copy_update(bucket, s % 2)
             bucket.applied = s
             bucket.times["wait_s"] += t1 - t0
             bucket.times["copy_s"] += time.perf_counter() - t1
@@ -247,11 +297,14 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         topo = self._process_set.topology
         bucket.counts = split_counts(bucket.numel, topo.cluster_size)
         start = sum(bucket.counts[:topo.cluster_rank])
-        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params]).cpu()
         bucket.master = flat[start:start + bucket.counts[topo.cluster_rank]].clone()
         group = self.param_groups[bucket.group_index]
         bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics)
-        bucket.staged = [torch.empty(bucket.numel), torch.empty(bucket.numel)]
+        pinned = self._route is not None
+        bucket.staged = [torch.empty(bucket.numel, pin_memory=pinned), torch.empty(bucket.numel, pin_memory=pinned)]
+        if pinned:
+            bucket.grad_host = [torch.empty(bucket.numel, pin_memory=True), torch.empty(bucket.numel, pin_memory=True)]
         bucket.predicts = self._predict and bucket.sopt.moves_without_gradient()
         if bucket.predicts:
             bucket.predicted = torch.empty_like(bucket.master)
@@ -274,6 +327,17 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self._init_bucket(bucket)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
                           for p in bucket.params])
+        ready = None
+        if self._route is not None:
+            # device-to-host on the side stream, after the kernels that wrote the gradients; the
+            # collective thread waits for this copy only (slot step%2 is free: step-2 is applied)
+            route, host = self._route, bucket.grad_host[step % 2]
+            route.after(torch.cuda.current_stream(self._device).record_event())
+            with route.context():
+                host.copy_(grad, non_blocking=True)
+                grad.record_stream(route.stream)
+            ready = route.record()
+            grad = host
         rt = state.current()
         name = bucket.name("cpu_engine.bucket", self._names)
         desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
@@ -289,7 +353,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         inputs = (grad, bucket, self._compression, self._memory, self._pool, lr, self._semantics == "exact", predict)
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
-                                                              execute_cpu_update, self._process_set, finite))
+                                                              execute_cpu_update, self._process_set, finite, ready))
 
     # -------- Horovod's optimizer API
 
@@ -308,6 +372,9 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         if self._staleness_at(self._steps) == 0 or not self._module_hooks:
             for b in self._buckets:
                 self._apply_through(b, need)
+                self._wait_copied(b)
+        elif self._route is not None:
+            self._apply_done(need)
         state.current().wan_stats.end_step()
         if self._adjust is not None and self._adjust.end_step(self._steps, 1) is not None:
             self._compression = self._adjust.compression
@@ -323,6 +390,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         the predicted weights: see drain)."""
         for b in self._buckets:
             self._apply_through(b, max(b.handles) if b.handles else b.applied)
+            self._wait_copied(b)
 
     def drain(self):
         """Wait for every launched update and put it in the parameters. With stale prediction
@@ -333,7 +401,10 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         for b in self._buckets:
             if not b.predicted_in_model:
                 continue
-            out = b.staged[(b.applied + 1) % 2]   # free: nothing is in flight now
+            slot = (b.applied + 1) % 2
+            if b.copied[slot] is not None:
+                b.copied[slot].synchronize()       # a CUDA model's copy out of it has run
+            out = b.staged[slot]   # free: nothing is in flight now
             name = b.name("cpu_engine.bucket", self._names)
             synchronize(thread.submit(Op("cpu_master", name + ".master",
                                          {"kind": "cpu_master", "name": name, "step": b.applied}, (b, out),

@@ -7,6 +7,7 @@ neutral-input builder: the description alone fixes what moves, so a rank that ha
 import numpy as np
 import torch
 
+from ...base.devices import route_for
 from ...comm.buffers import split_counts
 from ...comm.hierarchy import compute_dtype
 from ..dtypes import DTYPES, identity
@@ -15,13 +16,32 @@ from ..fusion import fuse, scale, unfuse
 
 # ---------------- allreduce (one or a group of tensors) ----------------
 
+def on_device(pset, device, run):
+    """Run ``run()`` for tensors of ``device``: on a CUDA device, with the intra-cluster route
+    prepared (NCCL or staged), every kernel queued on the device's side stream, and that stream
+    finished before returning (base/devices.py); on the CPU, as it is."""
+    if device.type != "cuda":
+        return run()
+    pset.hierarchy.prepare_device(device)
+    route = route_for(device)
+    with route.context():
+        result = run()
+    route.finish()
+    return result
+
+
 def execute_allreduce(pset, desc, inputs, joined):
-    """inputs: (tensors, outputs). Tensors of one dtype are fused into one buffer."""
+    """inputs: (tensors, outputs). Tensors of one dtype are fused into one buffer (on their
+    device: CUDA tensors are reduced there, see :func:`on_device`)."""
     tensors, outputs = inputs
+    if desc["op"] == "adasum":
+        return _adasum(pset, desc, tensors, outputs)
+    return on_device(pset, tensors[0].device, lambda: _allreduce(pset, desc, tensors, outputs))
+
+
+def _allreduce(pset, desc, tensors, outputs):
     dtype = DTYPES[desc["dtype"]]
     op = desc["op"]
-    if op == "adasum":
-        return _adasum(pset, desc, tensors, outputs)
     buf, direct = fuse(tensors, outputs, compute_dtype(dtype))
     if desc["prescale"] != 1.0:
         scale(buf, desc["prescale"])
@@ -54,10 +74,17 @@ def _adasum(pset, desc, tensors, outputs):
     return outputs
 
 
+def neutral_device(desc):
+    """Where a joined rank builds its neutral inputs: the collective's device kind."""
+    if desc.get("device") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def neutral_allreduce(desc):
     dtype = DTYPES[desc["dtype"]]
     fill = identity(desc["op"], dtype)
-    tensors = [torch.full(tuple(s), fill, dtype=dtype) for s in desc["shapes"]]
+    tensors = [torch.full(tuple(s), fill, dtype=dtype, device=neutral_device(desc)) for s in desc["shapes"]]
     return (tensors, [torch.empty_like(t) for t in tensors])
 
 

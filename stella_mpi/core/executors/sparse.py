@@ -8,6 +8,7 @@ from ...comm.sparse_exchange import sparse_cross_step
 from ...compression.memory import Memory
 from ...compression.registry import get_factory
 from ..fusion import fuse, unfuse
+from .dense import neutral_device, on_device
 
 # What a joined rank (hvd.join) uses on the sparse route: the others' compressor rebuilt from the
 # description (kept, so its per-tensor selection state carries over steps), and its own
@@ -17,7 +18,14 @@ _JOINED_MEMORY = Memory()
 
 
 def execute_sparse_allreduce(pset, desc, inputs, joined):
-    """inputs: (tensors, outputs, compressor, memory). float32, op sum or average."""
+    """inputs: (tensors, outputs, compressor, memory). float32, op sum or average. CUDA tensors
+    are reduced inside the cluster and selected on their device; only the selection crosses to
+    the host for the WAN (comm/sparse_exchange.py)."""
+    tensors = inputs[0]
+    return on_device(pset, tensors[0].device, lambda: _sparse_allreduce(pset, desc, inputs))
+
+
+def _sparse_allreduce(pset, desc, inputs):
     tensors, outputs, comp, memory = inputs
     started = time.perf_counter()
     hier = pset.hierarchy
@@ -47,5 +55,5 @@ def neutral_sparse_allreduce(desc):
     if comp is None:
         comp = get_factory(settings[0]).from_settings(settings)
         _JOINED_COMPRESSORS[settings] = comp
-    tensors = [torch.zeros(tuple(s), dtype=torch.float32) for s in desc["shapes"]]
+    tensors = [torch.zeros(tuple(s), dtype=torch.float32, device=neutral_device(desc)) for s in desc["shapes"]]
     return (tensors, [torch.empty_like(t) for t in tensors], comp, _JOINED_MEMORY)

@@ -1,0 +1,160 @@
+"""The device route against the host route, bit for bit, on the same data.
+
+With CUDA (the ``gpu`` runs: tests/test_gpu.py), the device side holds CUDA tensors: reduction
+inside the cluster on the device (NCCL or staged), selection with error feedback on the GPU,
+the CPU engine with a CUDA model. Without CUDA, the device side is the same code on CPU tensors
+(``STELLA_DEVICE_PATH=torch``: torch-op selection and device-side scatter instead of the C
+kernels). Either way the results must equal the C path's bits: the algorithms are deterministic.
+"""
+import pytest
+import torch
+
+import stella_mpi as hvd
+from reference import rank_input
+from stella_mpi.compression import Memory
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if CUDA else torch.device("cpu")
+
+
+@pytest.fixture
+def device_route(monkeypatch):
+    """A function running its argument on the device side (CUDA, or the forced torch path)."""
+    def run(fn):
+        if not CUDA:
+            monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
+        try:
+            return fn(DEV)
+        finally:
+            monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
+    return run
+
+
+def _bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def _same(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    assert torch.equal(_bits(a), _bits(b)), "%s: the device route differs from the host route" % what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.float64])
+def test_dense_allreduce(device_route, dtype):
+    xs = [rank_input(hvd.rank(), shape, dtype, seed=5 + i) for i, shape in enumerate([(1000,), (33, 7), (1,)])]
+    host = hvd.grouped_allreduce(xs, op=hvd.Sum, name="dev.dense.%s" % dtype)
+    dev = device_route(lambda d: hvd.grouped_allreduce([x.to(d) for x in xs], op=hvd.Sum,
+                                                       name="dev.dense.%s" % dtype))
+    for i, (h, g) in enumerate(zip(host, dev)):
+        assert g.device.type == DEV.type
+        _same(h, g, "grouped allreduce, tensor %d" % i)
+    avg_h = hvd.allreduce(xs[0], name="dev.avg")
+    avg_d = device_route(lambda d: hvd.allreduce(xs[0].to(d), name="dev.avg"))
+    _same(avg_h, avg_d, "average")
+
+
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk"])
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
+    mem_h, mem_d = Memory(), Memory()
+    comp = getattr(hvd.Compression, name)(density=0.02, value_dtype=value_dtype)
+    for step in range(3):
+        xs = [rank_input(hvd.rank(), (n,), torch.float32, seed=11 * step + n) for n in (40000, 777)]
+        tag = "dev.sparse.%s.%s" % (name, value_dtype)
+        host = hvd.synchronize(hvd.compressed_allreduce_async(xs, comp, tag, memory=mem_h, step=step))
+        dev = device_route(lambda d: hvd.synchronize(hvd.compressed_allreduce_async(
+            [x.to(d) for x in xs], comp, tag, memory=mem_d, step=step)))
+        for i, (h, g) in enumerate(zip(host, dev)):
+            assert g.device.type == DEV.type
+            _same(h, g, "%s step %d tensor %d" % (name, step, i))
+        assert mem_h.names() == mem_d.names()
+        for key in mem_h.names():
+            assert mem_d.get(key).device.type == DEV.type
+            _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
+
+
+def _wide_model(device):
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 10)).to(device)
+
+
+def _set_grads(model, step):
+    for i, p in enumerate(model.parameters()):
+        p.grad = rank_input(hvd.rank(), tuple(p.shape), torch.float32, seed=97 * step + i).to(p.device)
+
+
+@pytest.mark.parametrize("compression", ["cacheaware", "none"])
+def test_distributed_optimizer_reduced_gradients(device_route, compression):
+    """Horovod's optimizer on a model on the device: the averaged gradients it hands to the
+    user's optimizer equal the host route's (sparse: with error feedback over the steps)."""
+    def train(device):
+        model = _wide_model(device)
+        comp = hvd.Compression.none if compression == "none" else hvd.Compression.cacheaware(density=0.01)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        seen = []
+        for step in range(3):
+            _set_grads(model, step)
+            opt.synchronize()
+            seen.append([p.grad.detach().cpu().clone() for p in model.parameters()])
+            with opt.skip_synchronize():
+                opt.step()
+        return seen
+    host = train(torch.device("cpu"))
+    dev = device_route(train)
+    for step, (hs, ds) in enumerate(zip(host, dev)):
+        for i, (h, g) in enumerate(zip(hs, ds)):
+            _same(h, g, "step %d parameter %d" % (step, i))
+
+
+def _skip_uneven():
+    if not hvd.global_process_set.topology.uniform_clusters:
+        pytest.skip("engine='cpu' needs clusters of equal size")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_cpu_engine_model_on_the_device(device_route, staleness):
+    """The CPU engine with the model on the device: the parameters each forward sees equal the
+    host model's, step by step (the C optimizer runs on the CPU master in both cases)."""
+    _skip_uneven()
+
+    def train(device):
+        model = _wide_model(device)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters(), engine="cpu",
+                                       staleness=staleness, model=model,
+                                       compression=hvd.Compression.cacheaware(density=0.05))
+        seen = []
+        x = torch.ones(2, 64, device=device)
+        for step in range(5):
+            model(x)   # the pre-hooks put the required updates in
+            seen.append([p.detach().cpu().clone() for p in model.parameters()])
+            _set_grads(model, step)
+            opt.step()
+        opt.drain()
+        seen.append([p.detach().cpu().clone() for p in model.parameters()])
+        return seen
+    host = train(torch.device("cpu"))
+    dev = device_route(train)
+    for step, (hs, ds) in enumerate(zip(host, dev)):
+        for i, (h, g) in enumerate(zip(hs, ds)):
+            _same(h, g, "forward %d parameter %d" % (step, i))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_and_cpu_tensors_mixed_across_ranks_are_refused():
+    x = torch.ones(10, device=DEV) if hvd.rank() == 0 else torch.ones(10)
+    with pytest.raises(hvd.TensorMismatchError, match="cuda"):
+        hvd.allreduce(x, name="dev.mixed")
+    # the ranks are still in step
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum, name="dev.after").tolist() == [hvd.size()] * 3
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cpu_engine_refuses_parameters_on_two_devices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].to(DEV)
+    with pytest.raises(ValueError, match="is on"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), engine="cpu")
