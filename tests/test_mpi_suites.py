@@ -23,6 +23,10 @@ LAYOUTS = [
     ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
     ("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST),
     ("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
+    # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
+    # and CPU-engine check of the host route must hold on it too
+    ("np4-2x2-device-path", 4, {"STELLA_CLUSTERS": "2", "STELLA_DEVICE_PATH": "torch"},
+     SPARSE + ["tests/mpi/test_cpu_engine.py"]),
 ]
 
 

@@ -132,6 +132,16 @@ def launcher_rank_setting():
         return -1
 
 
+def device_path_setting():
+    """STELLA_DEVICE_PATH, read at every call (tests switch it between runs): "torch" sends CPU
+    tensors through the CUDA route's code (base/devices.py); "" or "auto": CUDA tensors only."""
+    value = str(os.environ.get("STELLA_DEVICE_PATH", "")).strip().lower()
+    if value not in ("", "auto", "torch"):
+        raise ValueError("STELLA_DEVICE_PATH=%r: use 'torch' (CPU tensors take the CUDA route's torch-op path) "
+                         "or 'auto'" % value)
+    return value or "auto"
+
+
 def status_dir_setting():
     """``STELLA_STATUS_DIR``: where stellarun collects how each rank ended ("" = not under stellarun)."""
     return str(os.environ.get("STELLA_STATUS_DIR", "")).strip()

@@ -18,22 +18,17 @@ On a CPU tensor every method is a plain copy or nothing, so the same code runs (
 without a GPU. ``STELLA_DEVICE_PATH=torch`` sends CPU tensors through the device route (torch-op
 selection, device-side scatter) so that a machine without CUDA exercises it end to end.
 """
-import os
 import threading
 from contextlib import nullcontext
 
 import torch
 
-DEVICE_PATH_VAR = "STELLA_DEVICE_PATH"
+from .config import device_path_setting
 
 
 def device_path_forced():
     """Whether CPU tensors take the device route (``STELLA_DEVICE_PATH=torch``; tests and debugging)."""
-    value = os.environ.get(DEVICE_PATH_VAR, "").strip().lower()
-    if value not in ("", "auto", "torch"):
-        raise ValueError("%s=%r: use 'torch' (CPU tensors take the CUDA route's torch-op path) or 'auto'"
-                         % (DEVICE_PATH_VAR, value))
-    return value == "torch"
+    return device_path_setting() == "torch"
 
 
 def on_device_route(tensor):
@@ -54,8 +49,8 @@ def one_device(tensors, what, names=None):
         if device is None:
             device = t.device
         elif t.device != device:
-            label = names[i] if names is not None else "tensor %d" % i
-            first = names[0] if names is not None else "tensor 0"
+            label = repr(names[i]) if names is not None else "tensor %d" % i
+            first = repr(names[0]) if names is not None else "tensor 0"
             raise ValueError("%s: %s is on %s but %s is on %s; one collective (or one CPU-engine optimizer) "
                              "takes tensors of one device" % (what, label, t.device, first, device))
     return device

@@ -1,0 +1,241 @@
+"""The GPU path, measured (scripts/run_gpu.sh runs it on a machine with CUDA):
+
+    python3 bench/bench_gpu.py --out bench/results/gpu.json          # on a GPU machine
+    .venv/bin/python bench/bench_gpu.py --device cpu --small          # smoke run of the same code
+
+In one run:
+
+1. selection throughput on the device: the route's cache-aware blocks and exact top-k
+   (compression/device_select.py, with error feedback) against ``torch.topk`` of the magnitudes
+   on the same tensor, 1 % density, 1M to 64M elements (one process);
+2. per-step time of a ~25M- and a ~100M-parameter model with CUDA tensors, 2 clusters of one
+   rank sharing the GPU, the cross-cluster link paced in user space at --rate (100 Mbit/s):
+   stella sparse (cache-aware 1 %), stella dense and DDP (gloo on the CUDA tensors, its buckets
+   paced at the same rate by a comm hook, since all its bytes cross the link) -- median of the
+   timed steps, ratios to DDP;
+3. the CPU engine with the model on the GPU, staleness 0 against 1: wall time per step and GPU
+   idle time per step (wall minus the time the compute stream was busy, from CUDA events around
+   forward and backward).
+
+Parts 2 and 3 run under ``mpirun -np 2`` launched by this script (``--worker``).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, reps):
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def selection_throughput(device, sizes, density=0.01, reps=5):
+    from stella_mpi.compression import device_select
+    rows = []
+    for n in sizes:
+        g = torch.randn(n, device=device)
+        res = torch.zeros(n, device=device)
+        k = max(1, int(density * n))
+        t_ref = _timed(lambda: torch.topk(g.abs(), k, sorted=False), device, reps)
+        t_blk = _timed(lambda: device_select.block_topk(g, k, res), device, reps)
+        t_top = _timed(lambda: device_select.topk(g, k, res), device, reps)
+        rows.append({"n": n, "k": k, "torch_topk_s": t_ref, "cacheaware_s": t_blk, "exact_topk_s": t_top,
+                     "cacheaware_vs_torch_topk": t_blk / t_ref, "exact_topk_vs_torch_topk": t_top / t_ref,
+                     "cacheaware_gelem_per_s": n / t_blk / 1e9})
+        print("select n=%-9d torch.topk %.2f ms  cache-aware %.2f ms (x%.2f)  exact top-k %.2f ms (x%.2f)"
+              % (n, 1e3 * t_ref, 1e3 * t_blk, t_blk / t_ref, 1e3 * t_top, t_top / t_ref), flush=True)
+    return rows
+
+
+def mlp(width_in, hidden, depth, out=10):
+    layers, d = [], width_in
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, hidden), torch.nn.ReLU()]
+        d = hidden
+    layers.append(torch.nn.Linear(d, out))
+    return torch.nn.Sequential(*layers)
+
+
+MODELS = {   # name: (input width, hidden, depth) -> parameters
+    "25M": (2048, 4096, 2),     # 2048*4096 + 4096*4096 + heads: 25.2M
+    "100M": (4096, 8192, 2),    # 4096*8192 + 8192*8192 + heads: 100.7M
+    "small": (256, 512, 2),     # smoke runs
+}
+
+
+def paced_allreduce_hook(bps):
+    """DDP comm hook: gloo's allreduce of the bucket, then held until the bucket's bytes would
+    have crossed a link of ``bps`` (what stella's Pacer does to its cross-cluster sends)."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        t0 = time.monotonic()
+        buf = bucket.buffer()
+        fut = dist.all_reduce(buf.div_(dist.get_world_size()), async_op=True).get_future()
+
+        def paced(f):
+            left = buf.numel() * buf.element_size() * 8 / bps - (time.monotonic() - t0)
+            if left > 0:
+                time.sleep(left)
+            return f.value()[0]
+        return fut.then(paced)
+    return hook
+
+
+def worker(args):
+    import stella_mpi as hvd
+    from bench.baseline_dist import init_gloo_world
+    hvd.init()
+    dev = torch.device(args.device if args.device == "cpu" else "cuda:%d" % (hvd.local_rank() % torch.cuda.device_count()))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    results = {"steps": {}, "cpu_engine": {}}
+    batch = args.batch
+
+    def data(width, step):
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+        x = torch.randn(batch, width, generator=g)
+        return x.to(dev), torch.randint(0, 10, (batch,), generator=g).to(dev)
+
+    def run_steps(model, opt, width, steps, events=False):
+        times, busy = [], []
+        for step in range(steps + 1):
+            x, y = data(width, step)
+            _sync(dev)
+            hvd.barrier()
+            t0 = time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True) if events else None
+            end = torch.cuda.Event(enable_timing=True) if events else None
+            opt.zero_grad()
+            if events:
+                start.record()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if events:
+                end.record()
+            opt.step()
+            _sync(dev)
+            if step:
+                times.append(time.perf_counter() - t0)
+                if events:
+                    busy.append(start.elapsed_time(end) / 1e3)
+        return times, busy
+
+    for name in args.models:
+        width, hidden, depth = MODELS[name]
+        row = {"parameters": sum(p.numel() for p in mlp(width, hidden, depth).parameters())}
+        for mode in ("ddp", "dense", "sparse"):
+            torch.manual_seed(0)
+            model = mlp(width, hidden, depth).to(dev)
+            if mode == "ddp":
+                if not torch.distributed.is_initialized():
+                    init_gloo_world()
+                ddp = torch.nn.parallel.DistributedDataParallel(model)
+                ddp.register_comm_hook(None, paced_allreduce_hook(args.rate))
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+                times, _ = run_steps(ddp, opt, width, args.steps)
+            else:
+                comp = hvd.Compression.none if mode == "dense" else hvd.Compression.cacheaware(density=args.density)
+                opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                               named_parameters=model.named_parameters(), compression=comp)
+                times, _ = run_steps(model, opt, width, args.steps)
+            worst = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name="bench.%s.%s" % (name, mode))
+            row[mode + "_step_s"] = float(worst)
+            if hvd.rank() == 0:
+                print("%s %-6s step %.3f s" % (name, mode, float(worst)), flush=True)
+        row["sparse_vs_ddp"] = row["sparse_step_s"] / row["ddp_step_s"]
+        row["dense_vs_ddp"] = row["dense_step_s"] / row["ddp_step_s"]
+        row["sparse_vs_dense"] = row["sparse_step_s"] / row["dense_step_s"]
+        results["steps"][name] = row
+
+    name = args.models[0]
+    width, hidden, depth = MODELS[name]
+    for staleness in (0, 1):
+        torch.manual_seed(0)
+        model = mlp(width, hidden, depth).to(dev)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                       named_parameters=model.named_parameters(), engine="cpu", staleness=staleness,
+                                       model=model, compression=hvd.Compression.cacheaware(density=args.density))
+        times, busy = run_steps(model, opt, width, args.steps, events=dev.type == "cuda")
+        opt.drain()
+        wall = statistics.median(times)
+        idle = statistics.median([t - b for t, b in zip(times, busy)]) if busy else None
+        results["cpu_engine"]["staleness%d" % staleness] = {"model": name, "step_s": wall, "gpu_idle_s": idle}
+        if hvd.rank() == 0:
+            print("cpu engine staleness %d: step %.3f s, GPU idle %s" % (staleness, wall,
+                  "%.3f s" % idle if idle is not None else "n/a (CPU)"), flush=True)
+    s0, s1 = results["cpu_engine"]["staleness0"], results["cpu_engine"]["staleness1"]
+    results["cpu_engine"]["step_s1_vs_s0"] = s1["step_s"] / s0["step_s"]
+    if s0["gpu_idle_s"] is not None:
+        results["cpu_engine"]["gpu_idle_s1_vs_s0"] = s1["gpu_idle_s"] / max(s0["gpu_idle_s"], 1e-9)
+    if hvd.rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(results, f)
+    hvd.shutdown()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="small sizes (smoke run)")
+    p.add_argument("--rate", type=float, default=100e6, help="emulated cross-cluster link, bit/s")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--models", nargs="+", default=None)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.models is None:
+        args.models = ["small"] if args.small else ["25M", "100M"]
+    if args.worker:
+        return worker(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_gpu: no CUDA here; run it on a GPU machine (scripts/run_gpu.sh) or use --device cpu --small")
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    sizes = [1 << 16, 1 << 20] if args.small else [1 << 20, 1 << 24, 1 << 26]
+    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "rate_bps": args.rate, "density": args.density,
+           "selection": selection_throughput(device, sizes)}
+    from tests.mpi_launch import mpirun_path   # the environment's mpirun (the mpich wheel's)
+    worker_out = args.out + ".worker"
+    env = dict(os.environ, STELLA_CLUSTERS="2", STELLA_WAN_PACE_BPS=str(args.rate), OMP_NUM_THREADS="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [mpirun_path(), "-np", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker",
+           "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
+           str(args.density), "--steps", str(args.steps), "--batch", str(args.batch), "--models"] + args.models
+    subprocess.run(cmd, env=env, check=True, timeout=3000)
+    with open(worker_out) as f:
+        out.update(json.load(f))
+    os.remove(worker_out)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
