@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from ..api.handles import synchronize
+from ..base import timeline
 from ..base.errors import HorovodInternalError
 from ..core import state
 from ..core.collective_thread import Op
@@ -176,6 +177,9 @@ class AdjustSession:
                              wan_bandwidth_bps=est.wan_bandwidth_bps if est else None,
                              wan_latency_s=est.latency_s if est else None,
                              local_batch=self.batch)
+        timeline.instant("ADJUSTER", step=step, density=d.density, previous_density=old[0], passes=d.passes,
+                         changed=bool(d.changed), reason=d.reason,
+                         wan_bandwidth_bps=est.wan_bandwidth_bps if est else None)
         if d.changed:
             log.log(logging.INFO if self._me == 0 else logging.DEBUG,
                     "adjuster: from step %d density %g -> %g, backward passes %d -> %d%s: %s", step, old[0],

@@ -24,9 +24,11 @@ def stats(end_step=False):
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Horovod's timeline is not implemented yet; accepted and ignored (see hvd.stats())."""
-    state.current("hvd.start_timeline()")
+    """Start writing Horovod's timeline, a Chrome trace, to ``file_path`` (rank 0 writes it; a
+    ``{rank}`` in the path makes every rank write its own). See stella_mpi/base/timeline.py."""
+    state.current("hvd.start_timeline()").start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline():
-    state.current("hvd.stop_timeline()")
+    """Stop writing the timeline and close the file."""
+    state.current("hvd.stop_timeline()").stop_timeline()

@@ -69,6 +69,9 @@ class Config:
     cache_capacity: int = 1020     # HOROVOD_CACHE_CAPACITY: names the negotiation remembers (one bit each)
     stall_check_s: float = 60.0    # HOROVOD_STALL_CHECK_TIME_SECONDS (0 or HOROVOD_STALL_CHECK_DISABLE: off)
     stall_shutdown_s: float = 0.0  # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after a stall this long
+    timeline: str = ""             # HOROVOD_TIMELINE: the Chrome trace rank 0 writes ("{rank}" in it: every rank)
+    timeline_mark_cycles: bool = False   # HOROVOD_TIMELINE_MARK_CYCLES
+    timeline_max_bytes: int = 1 << 30    # STELLA_TIMELINE_MAX_MB: the file's cap
     nccl: str = "auto"             # STELLA_NCCL: "auto" (NCCL for CUDA tensors where every cluster rank has its GPU) or "off"
 
     @classmethod
@@ -101,6 +104,9 @@ class Config:
             _non_negative("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0),
             stall_shutdown_s=_non_negative("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             nccl=_choice("STELLA_NCCL", "auto", ("auto", "off")),
+            timeline=_env(["HOROVOD_TIMELINE"], "", str),
+            timeline_mark_cycles=_env(["HOROVOD_TIMELINE_MARK_CYCLES"], False, _bool),
+            timeline_max_bytes=int(_non_negative("STELLA_TIMELINE_MAX_MB", 1024) * (1 << 20)),
         )
 
 

@@ -30,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 from .._native.dense import accumulate as _accumulate_f32
+from ..base import timeline
 from ..base.devices import route_for
 from .adasum import adasum_allreduce
 from .buffers import byte_view, displacements, mpi_view, split_counts
@@ -163,13 +164,17 @@ class Hierarchy:
         if topo.cluster_size == 1:
             return buf, counts
         me = topo.cluster_rank
-        return self.intra_for(buf).reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype,
-                                                                              buf.device)), counts
+        intra = self.intra_for(buf)
+        with timeline.span("INTRA_REDUCE_SCATTER", backend=intra.name, bytes=buf.numel() * buf.element_size()):
+            shard = intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype, buf.device))
+        return shard, counts
 
     def gather_shards(self, shard, counts, out):
         """All-gather the cluster's shards (this rank's is ``shard``) into ``out``."""
         if self.topo.cluster_size > 1:
-            self.intra_for(shard).allgather_into(shard, counts, out)
+            intra = self.intra_for(shard)
+            with timeline.span("INTRA_ALLGATHER", backend=intra.name, bytes=out.numel() * out.element_size()):
+                intra.allgather_into(shard, counts, out)
         elif shard is not out:
             out.copy_(shard)
 
@@ -185,11 +190,13 @@ class Hierarchy:
             self.gather_shards(shard, counts, buf)
             return
         if topo.cluster_size > 1:
-            self.intra_for(buf).reduce(buf, op, root=0)
+            with timeline.span("INTRA_REDUCE"):
+                self.intra_for(buf).reduce(buf, op, root=0)
         if topo.cluster_rank == 0:
             cross(buf, self.comms.leaders, "leader")
         if topo.cluster_size > 1:
-            self.intra_for(buf).bcast(buf, root=0)
+            with timeline.span("INTRA_BROADCAST"):
+                self.intra_for(buf).bcast(buf, root=0)
 
     def allreduce(self, buf, op, wire_dtype=None):
         """Reduce ``buf`` (flat, compute dtype) over all ranks, in place.
@@ -199,7 +206,9 @@ class Hierarchy:
         if topo.size == 1:
             return
         if topo.num_clusters == 1:
-            self.intra_for(buf).allreduce(buf, op)
+            intra = self.intra_for(buf)
+            with timeline.span("INTRA_ALLREDUCE", backend=intra.name, bytes=buf.numel() * buf.element_size()):
+                intra.allreduce(buf, op)
             return
         self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))
 
@@ -292,6 +301,11 @@ class Hierarchy:
             moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
         self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
         started = time.monotonic()
+        with timeline.span("WAN_EXCHANGE", bytes_sent=moved, bytes_received=moved, clusters=nclusters):
+            self._cross_reduce_host(buf, op, comm, wire, small_float, n, nclusters)
+            self.pacer.pace(moved, started)
+
+    def _cross_reduce_host(self, buf, op, comm, wire, small_float, n, nclusters):
         if nclusters == 2:
             # exchange with the one peer; a OP b == b OP a bit for bit, so both sides agree
             other = self.scratch("peer", n, wire.dtype)
@@ -311,7 +325,6 @@ class Hierarchy:
         else:
             self.deadline.wait(comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI_OPS[op]),
                                "cross-cluster allreduce")
-        self.pacer.pace(moved, started)
 
     # ---------------- allgather ----------------
 

@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from .._native import compress as kernels
+from ..base import timeline
 from ..base.devices import route_for
 from ..base.errors import HorovodInternalError
 from ..compression import Selection, TensorContext, merge_selections, scatter_add
@@ -123,6 +124,9 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
             merged = Selection(merged.indices[keep].contiguous(), merged.values[keep].contiguous(), n)
         current = merged
         t3 = time.perf_counter()
+        timeline.record("WAN_EXCHANGE", t0, t1, bytes_sent=s_bytes, bytes_received=r_bytes, round=r, partner=partner)
+        timeline.record("DECODE", t1, t2)
+        timeline.record("MERGE", t2, t3, entries=len(current))
         sent += s_bytes
         received += r_bytes
         t_exchange += t1 - t0
@@ -183,6 +187,8 @@ def sparse_reduce(hier, buf, comp, memory, name, step, seed, comm, kind):
     t0 = time.perf_counter()
     sel = _to_host(comp.select(buf, ctx, memory=memory))
     t1 = time.perf_counter()
+    timeline.record("SELECT", t0, t1, compressor=comp.name, density=comp.density, elements=buf.numel(),
+                    entries=len(sel))
     hier.stats.add(select_s=t1 - t0, elements=buf.numel(), entries_sent=len(sel))
     if choose_algorithm(hier.sparse_algorithm, comm.Get_size(), 8 * len(sel)) == "tree":
         merged = tree_reduce(hier, comm, sel, comp, ctx, memory, key, buf.numel(), kind, buf.device)
@@ -209,6 +215,10 @@ def _allgather_reduce(hier, comm, sel, comp, ctx, n, kind):
     t4 = time.perf_counter()
     merged = merge_selections(sels)
     t5 = time.perf_counter()
+    timeline.record("ENCODE", t1, t2, bytes=payload.numel())
+    timeline.record("WAN_EXCHANGE", t2, t3, bytes_sent=sent, bytes_received=received, clusters=len(pieces))
+    timeline.record("DECODE", t3, t4)
+    timeline.record("MERGE", t4, t5, entries=len(merged))
     hier.stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2, encode_s=t2 - t1,
                    exchange_s=t3 - t2, decode_s=t4 - t3, merge_s=t5 - t4)
     return merged
@@ -219,6 +229,7 @@ def sparse_cross_step(hier, comp, memory, name, step, seed, scale):
     compressor: the piece becomes the merged selection times ``scale`` (zero elsewhere)."""
     def cross(piece, comm, kind):
         merged = sparse_reduce(hier, piece, comp, memory, name, step, seed, comm, kind)
-        piece.zero_()
-        scatter_add(piece, merged, scale)
+        with timeline.span("SCATTER", entries=len(merged)):
+            piece.zero_()
+            scatter_add(piece, merged, scale)
     return cross

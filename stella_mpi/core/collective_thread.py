@@ -44,6 +44,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+from ..base import timeline
 from ..base.errors import (CollectiveRefused, HorovodInternalError, NonFiniteGradientError, StellaTimeoutError,
                            TensorMismatchError)
 from ..comm import diagnosis
@@ -63,7 +64,8 @@ _FUSIBLE_KEYS = {"kind", "name", "dtype", "shapes", "op", "prescale", "postscale
 
 
 class Op:
-    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle", "finite", "ready")
+    __slots__ = ("kind", "name", "desc", "inputs", "execute", "pset", "handle", "finite", "ready", "submitted",
+                 "accepted")
 
     def __init__(self, kind, name, desc, inputs, execute, pset, finite=None, ready=None):
         self.kind = kind            # "allreduce", "allgather", ...: picks the neutral input for join
@@ -75,6 +77,7 @@ class Op:
         self.handle = None
         self.finite = finite        # tensors that must hold no NaN/Inf on any rank (gradients), or None
         self.ready = ready          # CUDA inputs: an event of the caller's stream, waited for before they are read
+        self.submitted = self.accepted = None   # time.perf_counter() of submit() and of the thread taking it
 
 
 class Handle:
@@ -134,6 +137,7 @@ class CollectiveThread:
             raise HorovodInternalError("stella_mpi has been shut down; call hvd.init() again")
         handle = Handle(op.name, post)
         op.handle = handle
+        op.submitted = time.perf_counter()
         with self._lock:
             if op.name in self._inflight:
                 raise ValueError("Requested to run a collective on a tensor named %r while another one with "
@@ -197,8 +201,9 @@ class CollectiveThread:
                     if op.ready is not None:
                         op.ready.synchronize()
                     nonfinite = None if op.finite is None else has_nonfinite(op.finite)
+                    op.accepted = time.perf_counter()
                     joined = self._agree(op.pset, op.desc, nonfinite)
-                    op.handle.result = op.execute(op.pset, op.desc, op.inputs, joined)
+                    op.handle.result = _traced([op], op.name, lambda: op.execute(op.pset, op.desc, op.inputs, joined))
             except CollectiveRefused as e:
                 op.handle.error = e          # raised on every rank alike: the ranks are still in step
             except BaseException as e:  # noqa: BLE001 - a failed collective ends the job everywhere
@@ -256,6 +261,10 @@ class CollectiveThread:
                 outcome = neg.round(pending, announce, stopping, want_report, report_next)
                 self.checks += 1
                 self.check_seconds += time.perf_counter() - t0
+                tl = timeline.active()
+                if tl is not None and tl.mark_cycles:
+                    tl.instant("CYCLE", {"pending": len(pending), "ready": len(outcome.ready),
+                                         "round_ms": round(1e3 * (time.perf_counter() - t0), 3)})
                 announce = False
                 report_next = outcome.wants_report
                 if outcome.report is not None:
@@ -300,6 +309,7 @@ class CollectiveThread:
 
     def _accept(self, op, pending):
         key = (op.pset.process_set_id, op.name)
+        op.accepted = time.perf_counter()
         if op.ready is not None:
             op.ready.synchronize()   # CUDA inputs: the kernels that write them have run
         nonfinite = False if op.finite is None else bool(has_nonfinite(op.finite))
@@ -388,7 +398,7 @@ class CollectiveThread:
                     inputs, execute = neutral_inputs(first.desc)
                 else:
                     inputs, execute = op.inputs, op.execute
-                result = execute(pset, first.desc, inputs, first.joined)
+                result = _traced([op], first.desc["name"], lambda: execute(pset, first.desc, inputs, first.joined))
                 if op is not None:
                     self._finish(op, result=result)
                 return
@@ -400,7 +410,7 @@ class CollectiveThread:
                 outputs.extend(ins[1])
                 shapes.extend(item.desc["shapes"])
             desc = dict(first.desc, shapes=shapes, name="%s (+%d fused)" % (first.desc["name"], len(group) - 1))
-            EXECUTORS["allreduce"].run(pset, desc, (tensors, outputs), first.joined)
+            _traced(ops, desc["name"], lambda: EXECUTORS["allreduce"].run(pset, desc, (tensors, outputs), first.joined))
             self.fused_ops += len(group)
             for (a, b), op in zip(spans, ops):
                 if op is not None:
@@ -538,6 +548,34 @@ class CollectiveThread:
             joined = sum(1 for d in descs if d is None)
             inputs, execute = neutral_inputs(desc)
             execute(pset, desc, inputs, joined)
+
+
+def _traced(ops, scope, run):
+    """``run()``, and with a timeline on (base/timeline.py) each op's QUEUE and NEGOTIATE phases
+    and its execution (named after its kind), the route's phases inside going to ``scope``
+    (the op's tensor, or the fused buffer of several). An op's row is its description's name
+    (the CPU engine's bucket, whatever the step; the step goes in the event's args)."""
+    tl = timeline.active()
+    if tl is None:
+        return run()
+    start = time.perf_counter()
+    for op in ops:
+        if op is not None and op.submitted is not None and op.accepted is not None:
+            row = op.desc.get("name") or op.name
+            tl.complete(row, "QUEUE", op.submitted, op.accepted)
+            tl.complete(row, "NEGOTIATE", op.accepted, start)
+    try:
+        with timeline.op_scope(scope):
+            return run()
+    finally:
+        end = time.perf_counter()
+        for op in ops:
+            if op is not None:
+                args = {"dtype": op.desc.get("dtype"), "device": op.desc.get("device"), "step": op.desc.get("step")}
+                if len(ops) > 1:
+                    args["fused_in"] = scope
+                tl.complete(op.desc.get("name") or op.name, op.kind.upper(), start, end,
+                            {k: v for k, v in args.items() if v is not None})
 
 
 def _after_first(ready):

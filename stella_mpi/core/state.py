@@ -20,6 +20,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from ..base import timeline
 from ..base.config import Config
 from ..base.errors import NotInitializedError, StellaTimeoutError
 from ..comm import diagnosis
@@ -82,6 +83,8 @@ class Runtime:
                                                   self.auto_names.catch_up)
         for ps in process_sets or []:
             self.add_process_set(ps)
+        if cfg.timeline:
+            self.start_timeline(cfg.timeline, cfg.timeline_mark_cycles)
         topo = global_process_set.topology
         log.debug("rank %d: node %d (local %d/%d), cluster %d/%d (cluster rank %d/%d), intra backend %s",
                   self.rank, topo.node_id, topo.local_rank, topo.local_size, topo.cluster_id,
@@ -143,8 +146,22 @@ class Runtime:
         ps.process_set_id = None
         return True
 
+    def start_timeline(self, path, mark_cycles=False):
+        """Horovod's timeline (base/timeline.py): rank 0 writes ``path``; with ``{rank}`` in it,
+        every rank writes its own file."""
+        path = str(path)
+        if "{rank}" in path:
+            path = path.replace("{rank}", str(self.rank))
+        elif self.rank != 0:
+            return
+        timeline.start(path, mark_cycles, self.config.timeline_max_bytes, self.rank)
+
+    def stop_timeline(self):
+        timeline.stop()
+
     def close(self):
         self.collective_thread.stop(self.config.timeout_s)
+        timeline.stop()
         with Deadline(self.config.timeout_s, self.rank).guard("hvd.shutdown(): freeing the communicators"):
             for ps in list(self.process_sets.values()):
                 ps._free()

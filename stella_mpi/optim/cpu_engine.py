@@ -43,6 +43,7 @@ from ..adjust.session import AdjustedOptimizer, adjust_session
 from ..api.allgather import allgather
 from ..api.handles import synchronize
 from ..api.handles import poll
+from ..base import timeline
 from ..base.devices import one_device, route_for
 from ..base.errors import HorovodInternalError, NonFiniteGradientError
 from ..comm.buffers import split_counts
@@ -131,6 +132,7 @@ def execute_cpu_update(pset, desc, inputs, joined):
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead
     src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
     t2 = clock()
+    timeline.record("CPU_OPTIMIZER", t1, t2, step=step, entries=int(idx.numel()))
     if bucket.copied[step % 2] is not None:
         bucket.copied[step % 2].synchronize()   # CUDA model: step-2's copy out of this slot has run
     hier.gather_shards(src, counts, bucket.staged[step % 2])
