@@ -41,8 +41,8 @@ import sys
 import tempfile
 import time
 
-from . import leftovers, shaping, status
-from .rank import die_with_parent
+from . import config_file, leftovers, shaping, status
+from .rank import OUTPUT_DIR_VAR, die_with_parent
 from .wan import WanEmulation, namespaces_available, reap_stale
 
 
@@ -67,6 +67,42 @@ def find_mpirun():
     return found
 
 
+def _version_text(cmd):
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return "(%s did not answer: %s)" % (cmd[0], e)
+    return proc.stdout + proc.stderr
+
+
+def _first_match(pattern, text):
+    import re
+    m = re.search(pattern, text)
+    return m.group(1).strip() if m else None
+
+
+def check_mpirun(mpirun):
+    """A usage error when ``mpirun`` is not the MPI this environment's mpi4py runs on: its ranks
+    would not find a matching process manager (PMI) and fail with hydra's cryptic errors. The
+    environment's own mpirun (the mpich wheel's, next to this Python) is the reference; without
+    one, mpi4py uses a system MPI and nothing is checked."""
+    own = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.path.exists(own) or os.path.realpath(mpirun) == os.path.realpath(own):
+        return
+    mine = _first_match(r"MPICH Version:\s*(\S+)", _version_text([os.path.join(os.path.dirname(sys.executable),
+                                                                              "mpichversion")]))
+    theirs_text = _version_text([mpirun, "--version"])
+    if "Open MPI" in theirs_text or "OpenRTE" in theirs_text or "PRRTE" in theirs_text:
+        what = "Open MPI's launcher"
+    else:
+        version = _first_match(r"Version:\s*(\S+)", theirs_text)
+        if mine is None or (version is not None and version == mine):
+            return
+        what = "MPICH %s's hydra" % version if version else "a launcher whose version could not be read"
+    raise UsageError("stellarun: %s is %s, but this environment's mpi4py runs on MPICH %s (the mpich wheel): its "
+                     "ranks would not find a matching process manager (PMI) and fail with hydra errors. Use %s (the "
+                     "default: leave out --mpirun), or build mpi4py against that MPI." % (mpirun, what, mine, own))
+
 def cluster_sizes(np_, nclusters):
     """Ranks per cluster, the first ones larger by one: the split ``STELLA_CLUSTERS`` makes in
     the ranks (stella_mpi.comm.buffers.split_counts; this package never imports stella_mpi)."""
@@ -74,9 +110,43 @@ def cluster_sizes(np_, nclusters):
     return [q + (1 if i < r else 0) for i in range(nclusters)]
 
 
-# Told to the job's own scripts (the benchmarks read them); stella_mpi's runtime reads none of them.
-# Every other STELLA_* variable stellarun sets is a setting of stella_mpi.base.config.
-JOB_INFO_ENV = ("STELLA_WAN_RATE_BPS", "STELLA_WAN_MODE", "STELLA_WAN_MASTER_ADDR", "STELLA_WAN_ADDR")
+# Told to the job's own scripts (the benchmarks read them) or to the rank supervisor
+# (stellarun/rank.py); stella_mpi's runtime reads none of them. Every other STELLA_* variable
+# stellarun sets is a setting of stella_mpi.base.config.
+JOB_INFO_ENV = ("STELLA_WAN_RATE_BPS", "STELLA_WAN_MODE", "STELLA_WAN_MASTER_ADDR", "STELLA_WAN_ADDR", OUTPUT_DIR_VAR)
+
+
+def settings_env(args):
+    """The variables the job's ranks get from stellarun's (horovodrun's) options."""
+    env = {"PYTHONUNBUFFERED": "1"}
+    if args.timeout:
+        env["STELLA_TIMEOUT"] = str(args.timeout)
+    if args.start_timeout:
+        env["STELLA_START_TIMEOUT"] = str(args.start_timeout)
+    if args.output_filename:
+        env[OUTPUT_DIR_VAR] = os.path.abspath(args.output_filename)
+    if args.network_interface:
+        env["STELLA_GLOO_IFNAME"] = args.network_interface
+    if args.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(float(args.fusion_threshold_mb) * 1024 * 1024))
+    if args.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = str(float(args.cycle_time_ms))
+    if args.cache_capacity is not None:
+        env["HOROVOD_CACHE_CAPACITY"] = str(int(args.cache_capacity))
+    if args.timeline_filename:
+        env["HOROVOD_TIMELINE"] = os.path.abspath(str(args.timeline_filename))
+    if args.timeline_mark_cycles:
+        env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+    if args.stall_check is False:
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    if args.stall_check_warning_time_seconds is not None:
+        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(float(args.stall_check_warning_time_seconds))
+    if args.stall_check_shutdown_time_seconds is not None:
+        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(float(args.stall_check_shutdown_time_seconds))
+    level = args.log_level or ("info" if args.verbose else None)
+    if level:
+        env["HOROVOD_LOG_LEVEL"] = str(level).lower()
+    return env
 
 WAN_MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "wan0",
                "GLOO_SOCKET_IFNAME": "wan0"}
@@ -100,11 +170,10 @@ def build_wan_command(args, emu, status_dir):
     """MPMD mpirun command: cluster c's ranks start inside namespace c."""
     sizes = cluster_sizes(args.np, args.clusters or 2)
     cmd = [args.mpirun or find_mpirun()]
-    env = {"PYTHONUNBUFFERED": "1", "STELLA_WAN_RATE_BPS": str(int(args.wan))}
+    env = settings_env(args)
+    env["STELLA_WAN_RATE_BPS"] = str(int(args.wan))
     if status_dir:
         env["STELLA_STATUS_DIR"] = status_dir
-    if args.timeout:
-        env["STELLA_TIMEOUT"] = str(args.timeout)
     if emu is not None:
         env.update(WAN_MPI_ENV)
         env["STELLA_WAN_MODE"] = "namespaces"
@@ -189,6 +258,8 @@ def run_job(args, command_for, setup=None, teardown=None):
     if args.dry_run:
         print(shlex.join(command_for("")))
         return 0
+    if getattr(args, "verbose", False):
+        print("stellarun: " + shlex.join(command_for("")), flush=True)
     try:
         status_dir = tempfile.mkdtemp(prefix=status.DIR_PREFIX)
         status.write_owner(status_dir)
@@ -276,13 +347,20 @@ def run_job(args, command_for, setup=None, teardown=None):
 
 def build_command(args, status_dir):
     cmd = [args.mpirun or find_mpirun()]
-    np_ = args.np or int(os.environ.get("SLURM_NTASKS", "0") or 0)
+    slots = parse_hosts(args.hosts) if args.hosts else None
+    np_ = args.np or (sum(n for _, n in slots) if slots else 0) or int(os.environ.get("SLURM_NTASKS", "0") or 0)
     if np_ <= 0:
         raise UsageError("stellarun: give the number of ranks with -np N")
     cmd += ["-np", str(np_)]
+    if args.hostfile and args.hosts:
+        raise UsageError("stellarun: give the hosts with -H or with --hostfile, not both")
     if args.hostfile:
         cmd += ["-f", args.hostfile]
-    env = {"PYTHONUNBUFFERED": "1"}
+    if slots:
+        cmd += ["-hosts", ",".join("%s:%d" % hs for hs in slots)]
+    if args.network_interface:
+        cmd += ["-iface", args.network_interface]
+    env = settings_env(args)
     if status_dir:
         env["STELLA_STATUS_DIR"] = status_dir
     if args.clusters:
@@ -297,14 +375,27 @@ def build_command(args, status_dir):
                 raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
             mapping[host] = label
         env["STELLA_CLUSTER_MAP"] = ",".join("%s=%s" % kv for kv in sorted(mapping.items()))
-    if args.timeout:
-        env["STELLA_TIMEOUT"] = str(args.timeout)
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
     cmd += list(args.mpi_args or [])
     if not args.command:
         raise UsageError("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
     return cmd + supervised(args.command)
+
+
+def parse_hosts(text):
+    """horovodrun's ``-H host1:slots,host2:slots`` as [(host, slots)] (slots 1 when left out)."""
+    out = []
+    for item in str(text).split(","):
+        host, sep, slots = item.strip().partition(":")
+        try:
+            n = int(slots) if sep else 1
+        except ValueError:
+            n = 0
+        if not host or n < 1:
+            raise UsageError("stellarun: -H expects host:slots,... (e.g. -H node1:4,node2:4), got %r" % item)
+        out.append((host, n))
+    return out
 
 
 def _parsed_by(name):
@@ -333,12 +424,43 @@ def parse(argv):
     p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds")
     p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
                    help="one-way delay on the emulated WAN (e.g. 30ms)")
-    p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
+    p.add_argument("-H", "--hosts", help="hosts and their slots, host1:4,host2:4 (horovodrun's -H); each host is a "
+                   "cluster unless --cluster-of says otherwise")
+    p.add_argument("--network-interface", metavar="IFACE",
+                   help="the interface MPI and gloo use between hosts (hydra's -iface, STELLA_GLOO_IFNAME)")
+    p.add_argument("--output-filename", metavar="DIR",
+                   help="also write each rank's stdout and stderr to DIR/rank.N/stdout and stderr")
+    p.add_argument("--start-timeout", type=float, metavar="SECONDS",
+                   help="seconds for every rank to start (MPI_Init and hvd.init()); STELLA_TIMEOUT by default")
+    p.add_argument("--verbose", action="store_true", help="print the mpirun command and log at info level")
+    p.add_argument("--config-file", metavar="FILE",
+                   help="horovodrun's YAML config file (params, timeline, stall_check, logging); the command line wins")
+    p.add_argument("--fusion-threshold-mb", type=float, help="gradient bucket size in MiB (HOROVOD_FUSION_THRESHOLD)")
+    p.add_argument("--cycle-time-ms", type=float, help="negotiation cycle (HOROVOD_CYCLE_TIME)")
+    p.add_argument("--cache-capacity", type=int, help="names the negotiation's cache holds (HOROVOD_CACHE_CAPACITY)")
+    p.add_argument("--timeline-filename", metavar="FILE", help="write Horovod's timeline (HOROVOD_TIMELINE)")
+    p.add_argument("--timeline-mark-cycles", action="store_true", default=None,
+                   help="mark negotiation cycles in the timeline")
+    p.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None,
+                   help="disable the stall inspector")
+    p.add_argument("--stall-check-warning-time-seconds", type=float)
+    p.add_argument("--stall-check-shutdown-time-seconds", type=float)
+    p.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL",
+                                           "trace", "debug", "info", "warning", "error", "fatal"])
+    p.add_argument("--dry-run", action="store_true", help="print the full mpirun command instead of running it")
     p.add_argument("--clean", action="store_true",
                    help="remove the shared-memory and topology files MPICH left behind on this machine (of jobs "
                         "that no longer run) and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.config_file:
+        try:
+            for dest, value in config_file.load(args.config_file).items():
+                if getattr(args, dest, None) is None:   # the command line wins
+                    setattr(args, dest, value)
+        except ValueError as e:
+            raise UsageError("stellarun: %s" % e) from None
+    return args
 
 
 def main(argv=None):
@@ -355,7 +477,12 @@ def _main(argv):
         removed = leftovers.remove_unused()
         print("stellarun: removed %d file(s) MPICH left behind%s" % (len(removed), "".join("\n  " + p for p in removed)))
         return 0
+    if args.mpirun:
+        check_mpirun(args.mpirun)
     if args.wan:
+        if args.hosts or args.network_interface:
+            raise UsageError("stellarun: --wan emulates clusters on this machine; -H and --network-interface are for "
+                             "real hosts")
         return run_with_wan(args)
     if args.wan_schedule or args.wan_delay:
         raise UsageError("stellarun: --wan-schedule and --wan-delay need --wan RATE")

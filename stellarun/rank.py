@@ -16,12 +16,15 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 
 from .status import record, record_start
 
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")   # as stella_mpi.base.config reads them
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+OUTPUT_DIR_VAR = "STELLA_OUTPUT_DIR"   # stellarun --output-filename: where each rank's output is kept
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up once: the forked child only calls it
 except (OSError, AttributeError):
@@ -44,6 +47,40 @@ def launcher_rank():
         except (KeyError, ValueError):
             continue
     return -1
+
+
+def output_paths(directory, rank):
+    """``DIR/rank.N/stdout`` and ``stderr`` of ``rank`` (N zero-padded to the job size's width, so
+    the folders sort by rank, as horovodrun's --output-filename does); None without a directory."""
+    if not directory or rank < 0:
+        return None
+    size = 0
+    for var in SIZE_VARS:
+        try:
+            size = int(os.environ[var])
+            break
+        except (KeyError, ValueError):
+            continue
+    folder = os.path.join(directory, "rank.%0*d" % (len(str(max(size - 1, 0))), rank))
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+
+
+def _tee(pipe, console, path):
+    """Copy the rank's output to the console (as without --output-filename) and to its file."""
+    with open(path, "wb") as f:
+        while True:
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            f.write(chunk)
+            f.flush()
+            try:
+                console.write(chunk)
+                console.flush()
+            except (OSError, ValueError):
+                pass
+    pipe.close()
 
 
 def describe_status(rc):
@@ -83,16 +120,30 @@ def main(argv=None):
 
     me = os.getpid()
     try:
+        paths = output_paths(os.environ.get(OUTPUT_DIR_VAR, ""), rank)
+    except OSError as e:
+        sys.stderr.write("stellarun.rank: rank %d: no output files (%s); output goes to the console only\n" % (rank, e))
+        paths = None
+    pipes = subprocess.PIPE if paths else None
+    try:
         child = subprocess.Popen(cmd, close_fds=False, preexec_fn=lambda: die_with_parent(expect_parent=me),
-                                 process_group=0)
+                                 process_group=0, stdout=pipes, stderr=pipes)
     except OSError as e:
         record(directory, rank, "exit", "could not start %r: %s" % (cmd[0], e))
         sys.stderr.write("stellarun.rank: could not start %r: %s\n" % (cmd[0], e))
         return 127
     record_start(directory, rank, child.pid)
+    copiers = []
+    if paths:
+        for pipe, console, path in ((child.stdout, sys.stdout.buffer, paths[0]), (child.stderr, sys.stderr.buffer, paths[1])):
+            t = threading.Thread(target=_tee, args=(pipe, console, path), daemon=True)
+            t.start()
+            copiers.append(t)
     for signum in pending:
         forward(signum, None)
     rc = child.wait()
+    for t in copiers:
+        t.join(timeout=5)
     if rc != 0:
         record(directory, rank, "signal" if rc < 0 else "exit", describe_status(rc), child.pid)
     if rc < 0:   # end the way the rank ended, so that mpirun reports the same signal

@@ -129,6 +129,15 @@ def timeout_setting():
     return timeout
 
 
+def start_timeout_setting():
+    """``STELLA_START_TIMEOUT`` (stellarun/horovodrun's --start-timeout): seconds for every rank of
+    the job to start (MPI_Init and ``hvd.init()``); ``STELLA_TIMEOUT`` when unset."""
+    timeout = _env(["STELLA_START_TIMEOUT"], 0.0, float)
+    if timeout < 0:
+        raise ValueError("STELLA_START_TIMEOUT must be positive seconds, not %r" % timeout)
+    return timeout or timeout_setting()
+
+
 def launcher_rank_setting():
     """This process's rank as the launcher numbered it (hydra, Open MPI, Slurm), or -1: what a
     message can name before MPI is up."""

@@ -17,13 +17,13 @@ import signal
 import sys
 import time
 
-from ..base.config import launcher_rank_setting, timeout_setting
+from ..base.config import launcher_rank_setting, start_timeout_setting, timeout_setting
 from .abort import record_status
 
 
-def _timeout():
+def _timeout(setting=timeout_setting):
     try:
-        return timeout_setting()
+        return setting()
     except ValueError:
         return 120.0   # init() reports the bad setting
 
@@ -69,9 +69,9 @@ def import_mpi():
     message if MPI_Init has not returned within the deadline."""
     if "mpi4py.MPI" in sys.modules:
         return
-    timeout, rank = _timeout(), launcher_rank_setting()
+    timeout, rank = _timeout(start_timeout_setting), launcher_rank_setting()
     guard = watch(timeout, "stella_mpi: rank %d (as the launcher numbers it): MPI_Init did not complete within %.0f "
-                  "s (STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
+                  "s (STELLA_START_TIMEOUT, else STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
                   "down)\n" % (rank, timeout), rank)
     try:
         from mpi4py import MPI  # noqa: F401

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base import timeline
-from ..base.config import Config
+from ..base.config import Config, start_timeout_setting
 from ..base.errors import NotInitializedError, StellaTimeoutError
 from ..comm import diagnosis
 from ..comm.abort import end_job, is_rank_process, record_status, this_rank
@@ -61,7 +61,7 @@ class Runtime:
             group.Free()
             whole.Free()
         # every rank of the job must call init(): the duplication is where they meet
-        arrival = Deadline(cfg.timeout_s, comm.Get_rank(), peers=world_ranks(comm, range(comm.Get_size())))
+        arrival = Deadline(start_timeout_setting(), comm.Get_rank(), peers=world_ranks(comm, range(comm.Get_size())))
         self.world, request = comm.Idup()
         arrival.wait(request, "hvd.init() (every rank must call it)")
         self.rank = self.world.Get_rank()
