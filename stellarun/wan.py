@@ -90,11 +90,36 @@ class WanEmulation:
             self._thread.start()
         return self
 
+    def _hosts_file(self, ns):
+        """``/etc/netns/NS/hosts``, which ``ip netns exec`` puts over /etc/hosts inside the
+        namespace: this machine's entries plus the loopback's IPv6 and IPv4-mapped forms and every
+        cluster's WAN address. Without them a reverse lookup of a peer's address goes to DNS, which
+        this machine may not reach: torch's c10d store then warns "The hostname of the client socket
+        cannot be retrieved" for every connection (and waits for the resolver)."""
+        folder = os.path.join(NETNS_ETC, ns)
+        os.makedirs(folder, exist_ok=True)
+        self._created.append(("netns-etc", folder))
+        try:
+            with open("/etc/hosts") as f:
+                base = f.read()
+        except OSError:
+            base = "127.0.0.1 localhost\n"
+        lines = [base.rstrip("\n"), "# added by stellarun for the emulated WAN",
+                 "::1 localhost ip6-localhost", "::ffff:127.0.0.1 localhost"]
+        for c in range(self.nclusters):
+            lines += ["%s stella-wan%d" % (self.address(c), c), "::ffff:%s stella-wan%d" % (self.address(c), c)]
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
     def _add_namespace(self, c, dev):
         """Namespace of cluster ``c`` with ``dev`` (made in this namespace) moved in as ``wan0``."""
         ns = self.namespaces[c]
         _run(["ip", "netns", "add", ns])
         self._created.append(("netns", ns))
+        try:
+            self._hosts_file(ns)
+        except OSError as e:
+            print("stellarun: no hosts file for namespace %s (%s): reverse lookups may go to DNS" % (ns, e), flush=True)
         _run(["ip", "link", "set", dev, "netns", ns])
         _run(["ip", "-n", ns, "link", "set", dev, "name", "wan0"])
         _run(["ip", "-n", ns, "addr", "add", self.address(c) + "/24", "dev", "wan0"])
@@ -187,6 +212,8 @@ class WanEmulation:
                 os.close(name)   # a TUN device goes away with its last fd
             elif kind == "netns":
                 _run(["ip", "netns", "del", name], check=False)
+            elif kind == "netns-etc":
+                shutil.rmtree(name, ignore_errors=True)
             else:
                 _run(["ip", "link", "del", name], check=False)
         self._created = []
@@ -206,6 +233,7 @@ def kill_namespace_processes(ns):
 # what an emulation creates, named after its launcher's pid: namespaces stella<pid>c<i>, links
 # stbr<pid> (bridge), sth<pid>_<i> (veth, host side); TUN devices stt<pid>_<i> leave with their fds
 _NS_RE = re.compile(r"stella(\d+)c\d+")
+NETNS_ETC = "/etc/netns"   # ip netns exec mounts NETNS_ETC/<namespace>/<file> over /etc/<file>
 _LINK_RE = re.compile(r"\d+: (st(?:br|h|t)(\d+)(?:_\d+)?)[@:]")
 
 
@@ -238,6 +266,7 @@ def reap_stale():
         if kind == "netns":
             kill_namespace_processes(name)
             _run(["ip", "netns", "del", name], check=False)
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
         elif _run(["ip", "link", "del", name], check=False).returncode != 0:
             continue   # went with its namespace
         removed.append(name)

@@ -287,3 +287,23 @@ def test_interrupted_setup_removes_what_it_made(monkeypatch, delay):
     monkeypatch.setattr(wan, "_run", real)
     assert any(c[:3] == ["ip", "netns", "add"] for c in calls[:6])
     assert wan.leftovers(os.getpid()) == [] and emu.forwarder is None
+
+
+@needs_netns
+def test_no_c10d_hostname_warnings_inside_the_namespaces():
+    """Each namespace gets a hosts file (removed afterwards), so torch's store resolves its peers
+    without DNS and prints no "hostname of the client socket" warning."""
+    from stellarun.wan import NETNS_ETC
+    env = dict(os.environ, STELLA_INTRA_BACKEND="gloo")
+    exe = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    proc = subprocess.Popen([exe, "-np", "4", "--clusters", "2", "--wan", "1gbit", sys.executable, "-c",
+                             "import stella_mpi as hvd, torch; hvd.init(); "
+                             "assert hvd.global_process_set.intra.name == 'gloo'; "
+                             "print('sum %s' % hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist())"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("sum [4.0, 4.0]") == 4, out[-3000:]
+    assert "hostname of the client socket" not in out, out[-3000:]
+    assert not [d for d in (os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else [])
+                if d.startswith("stella%dc" % proc.pid)]
