@@ -14,7 +14,9 @@ setup(
     setup_requires=["cffi>=1.16"],
     cffi_modules=["stella_mpi/_native/build_ffi.py:ffibuilder"],
     install_requires=["torch", "numpy", "cffi>=1.16", "mpi4py>=3.1", "mpich"],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"],
+                    # the main job's plot and bench/report.py; stella_mpi itself never imports it
+                    "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["stellarun=stellarun.cli:main"]},
     zip_safe=False,
 )

@@ -40,6 +40,14 @@ def main():
     parser.add_argument("--no-stale-prediction", action="store_true",
                         help="CPU engine, staleness 1: give the forward the master weights, not the prediction")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="train for this many seconds of wall-clock instead of --steps (evaluations not counted)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="steps between held-out evaluations recorded in the curve (0: by time or at the end)")
+    parser.add_argument("--eval-seconds", type=float, default=0.0,
+                        help="training seconds between held-out evaluations (0: by steps or at the end)")
+    parser.add_argument("--check-seconds", type=float, default=0.5,
+                        help="training seconds between the ranks' agreements on the clock (--time-budget)")
     args = parser.parse_args()
 
     hvd.init()
@@ -77,43 +85,77 @@ def main():
               "%.1f MB of stdlib text" % (hvd.size(), hvd.num_clusters(), hvd.cluster_id(), hvd.cluster_size(),
                                           nparams / 1e6, len(corpus) / 1e6), flush=True)
     vx, vy = data.validation()
-    t_start = time.perf_counter()
-    t_last = t_start
-    for step in range(1, args.steps + 1):
+
+    def held_out_loss():
+        with torch.no_grad():
+            return hvd.allreduce(torch.nn.functional.cross_entropy(model(vx), vy), name="val_loss").item()
+
+    train_s = 0.0           # wall-clock of training alone (evaluations excluded), the same on every rank
+    curve = []              # (training seconds, step, mean training loss or None, held-out loss or None)
+    t_last = time.perf_counter()
+    t_mark, s_mark = t_last, 0.0
+    step, next_check, next_eval = 0, 1, args.eval_seconds
+    curve.append((0.0, 0, None, held_out_loss()))   # where both runs start
+    while True:
+        step += 1
         x, y = data.next()
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps:
-            avg = hvd.allreduce(loss.detach(), name="train_loss").item()
-            now = time.perf_counter()
+        last_step = step >= args.steps if not args.time_budget else False
+        log_now = step % args.log_every == 0
+        eval_steps = bool(args.eval_every) and step % args.eval_every == 0
+        if not (log_now or eval_steps or last_step or step == next_check):
+            continue
+        # the ranks agree on the clock (the slowest rank's), so they stop and evaluate at the same steps;
+        # the next check comes after about --check-seconds of training (every step when steps are slower)
+        elapsed = hvd.allreduce(torch.tensor(time.perf_counter() - t_mark + s_mark), op=hvd.Max,
+                                name="train_clock").item()
+        next_check = step + max(1, min(args.log_every, int(args.check_seconds * step / max(elapsed, 1e-9))))
+        if args.time_budget and elapsed >= args.time_budget:
+            last_step = True
+        eval_now = eval_steps or (bool(args.eval_seconds) and elapsed >= next_eval) or last_step
+        avg = hvd.allreduce(loss.detach(), name="train_loss").item() if (log_now or eval_now) else None
+        now = time.perf_counter()
+        if log_now and hvd.rank() == 0:
             last = hvd.stats()["last_step"]
-            if hvd.rank() == 0:
-                density = last["density"]
-                print("step %4d  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s"
-                      % (step, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
-                         "%.4f" % density if density is not None else "-"), flush=True)
+            density = last["density"]
+            print("step %4d  t %6.1f s  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s"
+                  % (step, elapsed, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
+                     "%.4f" % density if density is not None else "-"), flush=True)
+        if log_now:
             t_last = now
-    if args.engine == "cpu":
-        optimizer.drain()  # the last updates into the model before evaluating
-    with torch.no_grad():
-        val = hvd.allreduce(torch.nn.functional.cross_entropy(model(vx), vy), name="val_loss").item()
+        train_s = elapsed
+        if eval_now:
+            while args.eval_seconds and next_eval <= elapsed:
+                next_eval += args.eval_seconds
+            if args.engine == "cpu":
+                optimizer.drain()   # the updates in flight into the model before evaluating
+            curve.append((elapsed, step, avg, held_out_loss()))
+            t_mark, s_mark = time.perf_counter(), elapsed   # evaluation time does not count
+            t_last += t_mark - now
+        if last_step:
+            break
+    args.steps = step
+    val = curve[-1][3]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.unsqueeze(0), name="final_parameters")
     identical = all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
     if hvd.rank() == 0:
         print("done: %d steps in %.1f s; validation loss %.4f (%.2f bits/byte); parameters identical on all %d "
-              "ranks: %s" % (args.steps, time.perf_counter() - t_start, val, val / 0.6931, hvd.size(), identical),
+              "ranks: %s" % (args.steps, train_s, val, val / 0.6931, hvd.size(), identical),
               flush=True)
     if hvd.rank() == 0 and args.json_out:
         import json
         total = hvd.stats()["total"]
         with open(args.json_out, "w") as f:
-            json.dump({"validation_loss": val, "ms_per_step": 1000 * (time.perf_counter() - t_start) / args.steps,
+            json.dump({"validation_loss": val, "ms_per_step": 1000 * train_s / args.steps, "train_seconds": train_s,
+                       "curve": [{"seconds": t, "step": n, "train_loss": tl, "validation_loss": v}
+                                 for t, n, tl, v in curve],
                        "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps, "compression": args.compression,
                        "density": args.density, "error_feedback": not args.no_error_feedback,
-                       "seconds": time.perf_counter() - t_start, "identical": identical,
+                       "seconds": train_s, "identical": identical,
                        "wan_bytes_sent_per_step": total["wan_bytes_sent"] / max(1, hvd.stats()["steps"])}, f)
     if not identical:
         raise SystemExit("parameters differ between ranks")

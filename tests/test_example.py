@@ -24,3 +24,26 @@ def test_example_trains_and_parameters_agree():
     assert "parameters identical on all 4 ranks: True" in out
     losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 2 and losses[-1] < 5.55  # below the uniform-guess loss ln(256)
+
+
+def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
+    """The README's main job, short: both runs train for the same wall-clock, the summary gives the
+    held-out loss of each and the time each takes to reach dense's final loss, the plot is
+    written, and no run prints c10d's hostname warnings."""
+    plot = tmp_path / "main.png"
+    proc = subprocess.run([sys.executable, "examples/wan_main_job.py", "--seconds", "5", "--hidden", "256",
+                           "--eval-seconds", "1", "--log-every", "5", "--plot", str(plot)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    steps = [ln for ln in out.splitlines() if ln.startswith("step")]
+    assert steps and all(" t " in ln and "ms/step" in ln and "WAN" in ln and "density" in ln for ln in steps)
+    assert "5 s of training each" in out and "after 5 s of training: held-out loss" in out
+    assert "time to loss" in out
+    written = out.strip().splitlines()[-1].split("loss against wall-clock: ")[-1]
+    try:
+        import matplotlib  # noqa: F401
+        assert written == str(plot) and plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert written.endswith(".csv") and os.path.exists(written)
+    assert "hostname of the client socket" not in out
