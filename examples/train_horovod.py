@@ -40,6 +40,8 @@ def main():
     parser.add_argument("--no-stale-prediction", action="store_true",
                         help="CPU engine, staleness 1: give the forward the master weights, not the prediction")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
+    parser.add_argument("--momentum-correction", choices=["off", "on", "masking"], default="off",
+                        help="DGC's momentum correction on the sparse route (SGD with momentum)")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="train for this many seconds of wall-clock instead of --steps (evaluations not counted)")
     parser.add_argument("--eval-every", type=int, default=0,
@@ -76,8 +78,9 @@ def main():
                                              stale_prediction=False if args.no_stale_prediction else None,
                                              model=model)
     else:
+        mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression)
+                                             compression=compression, momentum_correction=mc)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())

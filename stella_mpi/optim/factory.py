@@ -16,7 +16,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
                          cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
-                         stale_prediction=None):
+                         stale_prediction=None, momentum_correction=False):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -28,6 +28,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     With staleness 1, ``stale_prediction`` (default: on with exact semantics) gives the forward the
     master weights one zero-gradient step ahead, and ``staleness_warmup=K`` runs the first K steps
     synchronously (see optim/cpu_engine.py).
+
+    ``momentum_correction=True`` (SGD with momentum and a sparse ``compression``): Deep Gradient
+    Compression's momentum correction, each rank keeping the velocity and the sparse route
+    carrying velocities (optim/momentum_correction.py); ``momentum_correction="masking"`` adds
+    momentum factor masking.
 
     ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
     re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
@@ -47,6 +52,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
     if engine not in (None, "cpu"):
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
+    if momentum_correction not in (False, True, "masking"):
+        raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
+    if momentum_correction and (engine is not None or op == Adasum):
+        raise ValueError("momentum_correction applies to the synchronous optimizer's sparse route (engine=None, "
+                         "op Average or Sum)")
     if engine == "cpu":
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
@@ -69,4 +79,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     cls._stella_base_class = optimizer.__class__
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction)

@@ -18,6 +18,7 @@ from ..compression import Compression, Memory
 from ..core import state
 from ..core.nonfinite import has_nonfinite
 from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
+from .momentum_correction import MomentumCorrectionState, plain_sgd_step
 
 log = logging.getLogger("stella_mpi")
 
@@ -35,7 +36,8 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
     """Methods of the optimizer DistributedOptimizer returns (mixed in before the user's class)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None,
+                 momentum_correction=False):
         super().__init__(params)
         self._compression = compression
         self._sparse = bool(getattr(compression, "sparse", False))
@@ -70,8 +72,34 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._use_buckets([_SyncBucket(i, b) for i, b in enumerate(planned)], hooked)
         self._adjust = adjust_session(adjuster, compression, process_set, overlap=False,
                                       passes=backward_passes_per_step)
+        self._mc, self._mc_groups, self._mc_this_step = None, {}, False
+        if momentum_correction:
+            self._mc = MomentumCorrectionState(masking=momentum_correction == "masking")
+            self._setup_momentum_correction()
         if self._adjust is not None:
             self._compression = self._adjust.compression
+
+    def _setup_momentum_correction(self):
+        what = "DistributedOptimizer(momentum_correction=...)"
+        if not issubclass(self._stella_base_class, torch.optim.SGD):
+            raise ValueError("%s corrects SGD's momentum; the optimizer is %s" % (what, self._stella_base_class.__name__))
+        if not self._sparse:
+            raise ValueError("%s needs a sparse compression (the dense route sends every velocity anyway)" % what)
+        if self._op not in (Average, Sum) or self.backward_passes_per_step != 1:
+            raise ValueError("%s: op must be Average or Sum, with backward_passes_per_step=1" % what)
+        for group in self.param_groups:
+            if MomentumCorrectionState.check_group(group, what):
+                for p in group["params"]:
+                    if p.requires_grad and p.dtype != torch.float32:
+                        raise ValueError("%s: parameter %r is %s; the sparse route (and so the correction) takes "
+                                         "float32" % (what, self._names.get(p, "?"), p.dtype))
+                    self._mc_groups[p] = group
+
+    def state_dict(self):
+        out = super().state_dict()
+        if self._mc is not None:
+            out["stella_momentum_correction"] = self._mc.state_dict()
+        return out
 
     def _on_grad_ready(self, p):
         if self._passes[p] <= 0:
@@ -111,6 +139,12 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         else:
             prescale, postscale = 1.0, 1.0
         if self._sparse and grads[0].dtype == torch.float32:
+            if self._mc is not None and self._process_set.included() and state.current().size > 1:
+                for p, g in zip(bucket.dense, grads):
+                    group = self._mc_groups.get(p)
+                    if group is not None:
+                        self._mc.transform(self._names[p], p, g, group)
+                        self._mc_this_step = True
             tensors = [g.contiguous() for g in grads]
             bucket.compressed = [(t, None) for t in tensors]
             bucket.handle = compressed_allreduce_async(
@@ -148,11 +182,16 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                     synchronize(bucket.handle)
                 except NonFiniteGradientError as e:
                     refused.append((bucket, e))
+                    if self._mc is not None:
+                        for p in bucket.dense:
+                            self._mc.refused(self._names[p])
                 else:
                     for p, (c, ctx) in zip(bucket.dense, bucket.compressed):
                         out = c if ctx is None else self._compression.decompress(c, ctx)
                         if out is not p.grad:
                             p.grad.copy_(out)
+                        if self._mc is not None and p in self._mc_groups:
+                            self._mc.applied(self._names[p], p.grad)
                 if self._adjust is not None:
                     self._adjust.idle(time.perf_counter() - t0)
             for p, wait in bucket.sparse:
@@ -214,10 +253,14 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self.synchronize()
         self._synchronized = False
         skip, self._skip_step = self._skip_step, False
+        corrected, self._mc_this_step = self._mc_this_step, False
+        # momentum correction: the route carried velocities, so SGD applies them as they are
+        user_step = (lambda c: plain_sgd_step(super(_DistributedOptimizer, self).step, self.param_groups, c)) \
+            if corrected else super().step
         if self._adjust is None:
-            return None if skip else super().step(closure)
+            return None if skip else user_step(closure)
         t0 = time.perf_counter()
-        loss = None if skip else super().step(closure)
+        loss = None if skip else user_step(closure)
         self._adjust.optimizer_time(time.perf_counter() - t0)
         decision = self._adjust.end_step(self._step_count, self.backward_passes_per_step)
         if decision is not None:
@@ -240,6 +283,11 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
 
     def load_state_dict(self, state_dict):
         self._skip_step = False
+        if "stella_momentum_correction" in state_dict:
+            state_dict = dict(state_dict)
+            mc = state_dict.pop("stella_momentum_correction")
+            if self._mc is not None:
+                self._mc.load_state_dict(mc)
         for b in self._buckets:
             if b.handle is not None:
                 synchronize(b.handle)

@@ -151,3 +151,46 @@ def test_broadcast_parameters_and_optimizer_state():
     hvd.broadcast_parameters(named, root_rank=hvd.size() - 1)
     for (n, p), q in zip(named, model.parameters()):
         assert torch.equal(p, q.detach() + (hvd.size() - 1)), n
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
+    """DGC's momentum correction: ranks keep the velocity and the sparse route carries it; at
+    density 1 (everything sent) the result is dense momentum SGD's (the average of velocities is
+    the velocity of the average), with weight decay and nesterov."""
+    n = hvd.size()
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=nesterov)
+    ref = _model()
+    ref_opt = make(ref.parameters())
+    model = _model()
+    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(density=1.0), momentum_correction=True)
+    for step in range(6):
+        ref_opt.zero_grad()
+        for r in range(n):
+            x, y = _batch(r, step)
+            (torch.nn.functional.cross_entropy(ref(x), y) / n).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+    assert opt.param_groups[0]["momentum"] == 0.9 and "momentum_buffer" not in opt.state.get(
+        next(model.parameters()), {})
+    saved = opt.state_dict()["stella_momentum_correction"]
+    assert set(saved["velocity"]) == {name for name, _ in model.named_parameters()}
+
+
+def test_momentum_correction_is_refused_where_it_means_nothing():
+    model = _model()
+    with pytest.raises(ValueError, match="corrects SGD's momentum"):
+        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+                                 compression=hvd.Compression.topk(0.1), momentum_correction=True)
+    with pytest.raises(ValueError, match="needs a sparse compression"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=model.named_parameters(), momentum_correction=True)

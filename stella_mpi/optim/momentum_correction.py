@@ -1,0 +1,109 @@
+"""Deep Gradient Compression's momentum correction for SGD with momentum on the sparse route:
+``DistributedOptimizer(SGD(..., momentum=m), compression=<sparse>, momentum_correction=True)``.
+
+Without it, the sparse route sends gradients (plus their error-feedback residual) and the user's
+SGD applies momentum to the sparse average: an entry that waited k steps in the residual arrives
+without the momentum it would have gathered, and the momentum buffer then carries the sparse
+arrivals forward. With it (DGC, Lin et al., ICLR 2018), each rank keeps the velocity itself and
+the sparse route carries velocities:
+
+    g'  = g + weight_decay * w                 (this rank's gradient, decayed as SGD does)
+    u   = momentum * u + (1 - dampening) * g'  (this rank's velocity, kept here)
+    sent = u,  or  g' + momentum * u  with nesterov
+    the route: residual += sent; select; residual -= selected (error feedback is DGC's
+    accumulation v); the average of the selections over all ranks comes back
+    w  -= lr * that average                    (the user's SGD with momentum, dampening and
+                                                weight decay switched off for this step only)
+
+So the user's optimizer still means what it says: with density 1.0 (everything sent) the update is
+dense momentum SGD's exactly, up to the order of float additions (the average of velocities is the
+velocity of the average). ``masking=True`` adds DGC's momentum factor masking: entries of the
+velocity whose coordinate came back non-zero (sent by some cluster this step) are zeroed, so a
+stale velocity does not keep pushing an entry that was just applied. Masking changes the update
+even at density 1 (it drops momentum where everything is sent), so it is off by default and
+measured separately.
+
+The velocity is explicit state (``MomentumCorrectionState``: settings, one buffer per parameter,
+its own ``state_dict``), saved in the optimizer's ``state_dict()`` under
+``"stella_momentum_correction"``. A step refused for a NaN/Inf gradient (STELLA_NONFINITE=skip)
+rolls the velocity back on every rank, so the non-finite values reach neither the velocity nor
+the residual (the route refuses before it selects).
+"""
+import torch
+
+__all__ = ["MomentumCorrectionState"]
+
+
+class MomentumCorrectionState:
+    """The velocity of every parameter and the settings of momentum correction."""
+
+    def __init__(self, masking=False):
+        self.masking = bool(masking)
+        self.velocity = {}   # parameter name -> tensor like the parameter
+        self._backup = {}    # parameter name -> velocity before this step (until the step is agreed)
+
+    @staticmethod
+    def check_group(group, what="momentum_correction"):
+        if group.get("momentum", 0.0) <= 0.0:
+            return False
+        if group.get("maximize", False):
+            raise ValueError("%s: SGD with maximize=True is not supported" % what)
+        return True
+
+    def transform(self, name, param, grad, group):
+        """Turn this rank's gradient into what the sparse route sends (in place of ``grad``)."""
+        m, damp, wd = group["momentum"], group.get("dampening", 0.0), group.get("weight_decay", 0.0)
+        g = grad.add(param.detach(), alpha=wd) if wd else grad
+        u = self.velocity.get(name)
+        if u is None or u.shape != grad.shape or u.device != grad.device:
+            u = torch.zeros_like(grad)
+            self.velocity[name] = u
+            self._backup[name] = None
+        else:
+            self._backup[name] = u.clone()
+        u.mul_(m).add_(g, alpha=1.0 - damp)
+        if group.get("nesterov", False):
+            grad.copy_(g.add(u, alpha=m))
+        else:
+            grad.copy_(u)
+
+    def applied(self, name, reduced):
+        """The step went through: with masking, zero the velocity where ``reduced`` came back
+        non-zero. The backup of this step is dropped."""
+        self._backup.pop(name, None)
+        if self.masking:
+            u = self.velocity.get(name)
+            if u is not None:
+                u.masked_fill_(reduced != 0, 0.0)
+
+    def refused(self, name):
+        """The step was refused on every rank (non-finite gradient): restore the velocity."""
+        if name not in self._backup:
+            return
+        old = self._backup.pop(name)
+        if old is None:
+            self.velocity.pop(name, None)
+        else:
+            self.velocity[name].copy_(old)
+
+    def state_dict(self):
+        return {"masking": self.masking, "velocity": {k: v.detach().clone() for k, v in self.velocity.items()}}
+
+    def load_state_dict(self, state):
+        self.masking = bool(state.get("masking", self.masking))
+        self.velocity = {k: v.detach().clone() for k, v in state.get("velocity", {}).items()}
+        self._backup = {}
+
+
+def plain_sgd_step(optimizer_step, param_groups, closure=None):
+    """Run the user's SGD step with momentum, dampening, nesterov and weight decay off (the route
+    already applied them), then restore the groups' settings."""
+    saved = []
+    for g in param_groups:
+        saved.append({k: g.get(k) for k in ("momentum", "dampening", "nesterov", "weight_decay")})
+        g.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
+    try:
+        return optimizer_step(closure)
+    finally:
+        for g, s in zip(param_groups, saved):
+            g.update(s)
