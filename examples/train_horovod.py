@@ -40,6 +40,10 @@ def main():
     parser.add_argument("--no-stale-prediction", action="store_true",
                         help="CPU engine, staleness 1: give the forward the master weights, not the prediction")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
+    parser.add_argument("--density-warmup", type=int, default=0,
+                        help="steps over which the sparse density falls from 25 %% to --density")
+    parser.add_argument("--dense-below", type=int, default=0,
+                        help="tensors of fewer elements go dense; the others' density keeps the bytes")
     parser.add_argument("--momentum-correction", choices=["off", "on", "masking"], default="off",
                         help="DGC's momentum correction on the sparse route (SGD with momentum)")
     parser.add_argument("--time-budget", type=float, default=0.0,
@@ -80,7 +84,8 @@ def main():
     else:
         mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression, momentum_correction=mc)
+                                             compression=compression, momentum_correction=mc,
+                                             density_warmup=args.density_warmup, dense_below=args.dense_below)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())

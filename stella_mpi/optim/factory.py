@@ -16,7 +16,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
                          cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
-                         stale_prediction=None, momentum_correction=False):
+                         stale_prediction=None, momentum_correction=False, density_warmup=0, dense_below=0):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -32,7 +32,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``momentum_correction=True`` (SGD with momentum and a sparse ``compression``): Deep Gradient
     Compression's momentum correction, each rank keeping the velocity and the sparse route
     carrying velocities (optim/momentum_correction.py); ``momentum_correction="masking"`` adds
-    momentum factor masking.
+    momentum factor masking. ``density_warmup=N``: the sparse route's density falls geometrically
+    from 25 % to the compressor's over the first N steps (DGC's warm-up). ``dense_below=N``: tensors
+    of fewer than N elements are reduced densely and the large ones get the density that keeps the
+    bytes of a step what the compressor alone would send.
 
     ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
     re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
@@ -54,9 +57,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
     if momentum_correction not in (False, True, "masking"):
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
-    if momentum_correction and (engine is not None or op == Adasum):
-        raise ValueError("momentum_correction applies to the synchronous optimizer's sparse route (engine=None, "
-                         "op Average or Sum)")
+    if (momentum_correction or density_warmup or dense_below) and (engine is not None or op == Adasum):
+        raise ValueError("momentum_correction, density_warmup and dense_below apply to the synchronous optimizer's sparse route "
+                         "(engine=None, op Average or Sum)")
     if engine == "cpu":
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
@@ -79,4 +82,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     cls._stella_base_class = optimizer.__class__
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction,
+               density_warmup, dense_below)

@@ -30,6 +30,7 @@ class _SyncBucket(Bucket):
         self.compressed = None   # [(tensor reduced, compression context)] per parameter of ``dense``
         self.dense = params      # the parameters whose gradients go through ``handle``
         self.sparse = []         # [(parameter, wait)]: sparse gradients, gathered as Horovod does
+        self.small = None        # (handle, parameters): small tensors reduced densely beside a sparse route
 
 
 class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
@@ -37,7 +38,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None,
-                 momentum_correction=False):
+                 momentum_correction=False, density_warmup=0, dense_below=0):
         super().__init__(params)
         self._compression = compression
         self._sparse = bool(getattr(compression, "sparse", False))
@@ -68,14 +69,25 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._skip_step = False   # the reduced gradients of this step held NaN/Inf somewhere: no update
         self._synchronized = False
         self._should_synchronize = True
-        hooked = self._params if process_set.included() and state.current().size > 1 else []
-        self._use_buckets([_SyncBucket(i, b) for i, b in enumerate(planned)], hooked)
-        self._adjust = adjust_session(adjuster, compression, process_set, overlap=False,
-                                      passes=backward_passes_per_step)
+        self._warmup = int(density_warmup or 0)
+        if self._warmup < 0 or (self._warmup and not self._sparse):
+            raise ValueError("density_warmup is a number of steps >= 0 for a sparse compression")
+        if (self._warmup or dense_below) and adjuster is not None:
+            raise ValueError("density_warmup and dense_below set the density, as the adjuster does: use one")
+        self._dense_below = int(dense_below or 0)
+        if self._dense_below < 0 or (self._dense_below and not self._sparse):
+            raise ValueError("dense_below is a number of elements >= 0 for a sparse compression")
+        if self._dense_below:
+            compression = self._compression = self._budgeted(self._compression)
         self._mc, self._mc_groups, self._mc_this_step = None, {}, False
         if momentum_correction:
             self._mc = MomentumCorrectionState(masking=momentum_correction == "masking")
             self._setup_momentum_correction()
+        # (the checks above come before any hook is put on the model's parameters)
+        hooked = self._params if process_set.included() and state.current().size > 1 else []
+        self._use_buckets([_SyncBucket(i, b) for i, b in enumerate(planned)], hooked)
+        self._adjust = adjust_session(adjuster, compression, process_set, overlap=False,
+                                      passes=backward_passes_per_step)
         if self._adjust is not None:
             self._compression = self._adjust.compression
 
@@ -94,6 +106,41 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                         raise ValueError("%s: parameter %r is %s; the sparse route (and so the correction) takes "
                                          "float32" % (what, self._names.get(p, "?"), p.dtype))
                     self._mc_groups[p] = group
+
+    # bytes per sent entry on the wire, by compressor (values 4 B plus index bytes; cache-aware sends
+    # one 2-4 byte block id per 16 values; random-k sends no indices); a dense entry costs 4 B
+    ENTRY_BYTES = {"cacheaware": 4.25, "topk": 6.0, "threshold": 6.0, "randomk": 4.0}
+
+    def _budgeted(self, comp):
+        """``dense_below=N``: tensors of fewer than N elements are reduced densely (they cost
+        little on the wire and lose most to sparsification); the large ones get the density that
+        keeps the step's bytes what ``comp`` alone would send. Raises when the small ones alone
+        would exceed the budget."""
+        params = [p for p in self._params if p.dtype == torch.float32]
+        total = sum(p.numel() for p in params)
+        small = sum(p.numel() for p in params if p.numel() < self._dense_below)
+        if not small or small == total:
+            return comp
+        per_entry = self.ENTRY_BYTES.get(comp.name, 6.0)
+        budget = comp.density * total * per_entry
+        density = (budget - 4.0 * small) / ((total - small) * per_entry)
+        if density <= 0:
+            raise ValueError("dense_below=%d: the %d elements of the small tensors cost more than the byte budget "
+                             "of density %g; lower dense_below" % (self._dense_below, small, comp.density))
+        log.info("dense_below=%d: %d elements go dense, the other %d at density %.5f (was %g)", self._dense_below,
+                 small, total - small, density, comp.density)
+        return comp.with_density(min(1.0, density))
+
+    WARMUP_START = 0.25   # the density the warm-up starts from (DGC starts at 25 %)
+
+    def _warmed(self, comp):
+        """The compressor of this step: during ``density_warmup`` steps the density falls
+        geometrically from 25 % to the compressor's own (DGC's exponential warm-up)."""
+        t = self._step_count
+        if t >= self._warmup or comp.density >= self.WARMUP_START:
+            return comp
+        frac = t / self._warmup
+        return comp.with_density(self.WARMUP_START ** (1 - frac) * comp.density ** frac)
 
     def state_dict(self):
         out = super().state_dict()
@@ -138,17 +185,30 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             prescale, postscale = 1.0 / self._predivide, self._predivide
         else:
             prescale, postscale = 1.0, 1.0
-        if self._sparse and grads[0].dtype == torch.float32:
-            if self._mc is not None and self._process_set.included() and state.current().size > 1:
-                for p, g in zip(bucket.dense, grads):
-                    group = self._mc_groups.get(p)
-                    if group is not None:
-                        self._mc.transform(self._names[p], p, g, group)
-                        self._mc_this_step = True
+        sparse_route = self._sparse and grads[0].dtype == torch.float32
+        if sparse_route and self._mc is not None and self._process_set.included() and state.current().size > 1:
+            for p, g in zip(bucket.dense, grads):
+                group = self._mc_groups.get(p)
+                if group is not None:
+                    self._mc.transform(self._names[p], p, g, group)   # the route carries velocities
+                    self._mc_this_step = True
+        if sparse_route and self._dense_below:
+            # small tensors go dense (dense_below): one grouped allreduce beside the sparse route
+            small = [(p, g) for p, g in zip(bucket.dense, grads) if p.numel() < self._dense_below]
+            if small:
+                keep = [(p, g) for p, g in zip(bucket.dense, grads) if p.numel() >= self._dense_below]
+                bucket.dense, grads = [p for p, _ in keep], [g for _, g in keep]
+                tensors = [g.contiguous() for _, g in small]
+                bucket.small = (allreduce_tensors_async(tensors, inplace_outputs, name + ".dense", self._op, prescale,
+                                                        postscale, self._process_set, "grouped_allreduce",
+                                                        gradients=True), [p for p, _ in small], tensors)
+                if not grads:
+                    return
+        if sparse_route:
             tensors = [g.contiguous() for g in grads]
             bucket.compressed = [(t, None) for t in tensors]
             bucket.handle = compressed_allreduce_async(
-                tensors, self._compression, name, self._op, prescale, postscale, self._process_set,
+                tensors, self._warmed(self._compression), name, self._op, prescale, postscale, self._process_set,
                 memory=self._memory, step=self._step_count, inplace=True)
             return
         compression = self._compression if not self._sparse else Compression.none
@@ -194,6 +254,23 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                             self._mc.applied(self._names[p], p.grad)
                 if self._adjust is not None:
                     self._adjust.idle(time.perf_counter() - t0)
+            if bucket.small is not None:
+                handle, small_params, small_tensors = bucket.small
+                bucket.small = None
+                try:
+                    synchronize(handle)
+                except NonFiniteGradientError as e:
+                    refused.append((bucket, e))
+                    if self._mc is not None:
+                        for p in small_params:
+                            self._mc.refused(self._names[p])
+                else:
+                    for p, t in zip(small_params, small_tensors):
+                        if t is not p.grad:
+                            p.grad.copy_(t)
+                        if self._mc is not None and p in self._mc_groups:
+                            self._mc.applied(self._names[p], p.grad)
+                bucket.dense = bucket.dense + small_params
             for p, wait in bucket.sparse:
                 p.grad = wait()
             for p in bucket.dense:

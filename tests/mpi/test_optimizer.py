@@ -194,3 +194,26 @@ def test_momentum_correction_is_refused_where_it_means_nothing():
     with pytest.raises(ValueError, match="needs a sparse compression"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), momentum_correction=True)
+
+
+def test_dense_below_sends_small_tensors_dense_within_the_budget():
+    """dense_below: tensors smaller than it are reduced densely beside the sparse route; the others'
+    density is lowered so that a step's bytes stay the compressor's budget. At density 1 the result
+    is the dense one; a budget the small tensors alone exceed is refused."""
+    n = hvd.size()
+    ref, _ = _train(3, 0.1, 0.9)
+    model, opt = _train(3, 0.1, 0.9, compression=hvd.Compression.topk(density=1.0), dense_below=20,
+                        momentum_correction=True)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+    assert n >= 1
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                   compression=hvd.Compression.cacheaware(density=0.2), dense_below=20)
+    # biases (16 + 3 elements) go dense; the weights (96 + 48) share what is left of the budget:
+    # (0.2 * 163 * 4.25 - 19 * 4) / (144 * 4.25) bytes per entry
+    assert abs(opt._compression.density - (0.2 * 163 * 4.25 - 19 * 4) / (144 * 4.25)) < 1e-9
+    with pytest.raises(ValueError, match="cost more than the byte budget"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                 compression=hvd.Compression.cacheaware(density=0.01), dense_below=20)
