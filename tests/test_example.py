@@ -31,14 +31,14 @@ def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
     held-out loss of each and the time each takes to reach dense's final loss, the plot is
     written, and no run prints c10d's hostname warnings."""
     plot = tmp_path / "main.png"
-    proc = subprocess.run([sys.executable, "examples/wan_main_job.py", "--seconds", "5", "--hidden", "256",
+    proc = subprocess.run([sys.executable, "examples/wan_main_job.py", "--seconds", "3", "--hidden", "256",
                            "--eval-seconds", "1", "--log-every", "5", "--plot", str(plot)],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     steps = [ln for ln in out.splitlines() if ln.startswith("step")]
     assert steps and all(" t " in ln and "ms/step" in ln and "WAN" in ln and "density" in ln for ln in steps)
-    assert "5 s of training each" in out and "after 5 s of training: held-out loss" in out
+    assert "3 s of training each" in out and "after 3 s of training: held-out loss" in out
     assert "time to loss" in out
     written = out.strip().splitlines()[-1].split("loss against wall-clock: ")[-1]
     try:

@@ -7,17 +7,20 @@ from mpi_launch import run_mpi, run_mpmd
 
 pytestmark = pytest.mark.mpi
 
-PYTEST = ["-m", "pytest", "-q", "-s", "-x", "-p", "no:cacheprovider", "tests/mpi"]
-DENSE = PYTEST[:-1] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
-SPARSE = PYTEST[:-1] + ["tests/mpi/test_sparse.py"]
+ALL = ["-m", "pytest", "-q", "-s", "-x", "-p", "no:cacheprovider", "tests/mpi"]
+# the device route's comparisons (test_device_route.py) run only in the layouts given ALL or DEVICE
+PYTEST = ALL + ["--ignore", "tests/mpi/test_device_route.py"]
+DEVICE = ["tests/mpi/test_device_route.py"]
+DENSE = PYTEST[:7] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
+SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py"]
 
 # (name, ranks, environment, suites): the dense suites run on every layout, the sparse
 # route on the layouts where it differs (two clusters, uneven, three clusters)
 LAYOUTS = [
     ("np2-one-cluster", 2, {}, PYTEST),
-    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, PYTEST),
+    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL),
     ("np3-one-cluster", 3, {}, DENSE),
-    ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST),
+    ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
     ("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
     ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
     ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
@@ -26,7 +29,7 @@ LAYOUTS = [
     # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
     # and CPU-engine check of the host route must hold on it too
     ("np4-2x2-device-path", 4, {"STELLA_CLUSTERS": "2", "STELLA_DEVICE_PATH": "torch"},
-     SPARSE + ["tests/mpi/test_cpu_engine.py"]),
+     SPARSE + ["tests/mpi/test_cpu_engine.py"] + DEVICE),
 ]
 
 

@@ -1,7 +1,8 @@
 """The Slurm batch scripts of examples/slurm/ on a real Slurm started on this machine
 (tests/slurm_local.py: munged, slurmctld, two slurmd nodes): srun --mpi=pmi2 with the mpich
 wheel, one cluster per node, and one per component of a heterogeneous job. Skips where Slurm
-cannot be started (scripts/run_slurm_tests.sh installs it and runs these)."""
+cannot be started. Not in the default test command: scripts/run_slurm_tests.sh installs Slurm
+and runs these."""
 import os
 import re
 import sys
@@ -11,7 +12,8 @@ import pytest
 from mpi_launch import ROOT
 from slurm_local import LocalSlurm, SlurmUnavailable
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
+# behind their own command (scripts/run_slurm_tests.sh), as the house keeps long runs
+pytestmark = [pytest.mark.mpi, pytest.mark.slurm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,10 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         bucket.sparse, bucket.dense = [], []
         for p in bucket.params:
             if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+                if p in self._mc_groups:
+                    raise ValueError("DistributedOptimizer(momentum_correction=...): parameter %r has a sparse "
+                                     "gradient, whose momentum the correction cannot carry; pass "
+                                     "sparse_as_dense=True" % self._names[p])
                 if self._op not in (Average, Sum):
                     raise ValueError("DistributedOptimizer: parameter %r has a sparse gradient, which is gathered "
                                      "and summed; op must be Average or Sum (or pass sparse_as_dense=True)"

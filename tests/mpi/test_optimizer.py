@@ -187,6 +187,14 @@ def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
 
 
 def test_momentum_correction_is_refused_where_it_means_nothing():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=emb.named_parameters(), compression=hvd.Compression.topk(0.5),
+                                   momentum_correction=True)
+    if hvd.size() > 1:   # raised where the bucket launches: in backward's hook, or at synchronize()
+        with pytest.raises(ValueError, match="'weight' has a sparse gradient"):
+            emb(torch.tensor([1, 2])).sum().backward()
+            opt.synchronize()
     model = _model()
     with pytest.raises(ValueError, match="corrects SGD's momentum"):
         hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
