@@ -80,7 +80,8 @@ def main():
                                              compression=compression, engine="cpu", staleness=args.staleness,
                                              staleness_warmup=args.staleness_warmup,
                                              stale_prediction=False if args.no_stale_prediction else None,
-                                             model=model)
+                                             model=model, momentum_correction={"off": False, "on": True}.get(
+                                                 args.momentum_correction, args.momentum_correction))
     else:
         mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),

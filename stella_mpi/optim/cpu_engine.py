@@ -52,6 +52,7 @@ from ..compression import Memory
 from ..core import state
 from ..core.collective_thread import Op
 from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_size
+from .momentum_correction import MomentumCorrectionState
 from .sparse_optim import SparseAdam, SparseAdamW, SparseSGD
 
 log = logging.getLogger("stella_mpi")
@@ -78,6 +79,8 @@ class _CpuBucket(Bucket):
     def __init__(self, index, params, group_index):
         super().__init__(index, params, group_index)
         self.shapes = [(tuple(p.shape), p.device, p.dtype) for p in params]
+        self.mc_momentum = 0.0  # momentum correction: the group's momentum, applied by the route (0: off)
+        self.previous = None    # momentum correction: the master before the last step (prediction)
         self.handles = {}       # step -> handle of that step's update
         self.applied = -1       # last step whose update is in the model's parameters
         self.predicted_in_model = False
@@ -129,8 +132,17 @@ def execute_cpu_update(pset, desc, inputs, joined):
         bucket.sopt.set_hparams(lr=lr)
     bucket.sopt.step([(idx, val)] if idx.numel() else [None], pool=pool, catch_up=catch_up,
                      timeout_ms=int(1000 * pset.deadline.timeout_s))
-    # what the model gets: the master, or (prediction) the master one zero-gradient step ahead
-    src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
+    # what the model gets: the master, or (prediction) the master one zero-gradient step ahead; with
+    # momentum correction the velocity is the ranks', so the last update is extrapolated instead:
+    # master + momentum * (master - master before this step)
+    if bucket.mc_momentum:
+        if predict:
+            torch.sub(bucket.master, bucket.previous, out=bucket.predicted)
+            bucket.predicted.mul_(bucket.mc_momentum).add_(bucket.master)
+        bucket.previous.copy_(bucket.master)
+        src = bucket.predicted if predict else bucket.master
+    else:
+        src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
     t2 = clock()
     timeline.record("CPU_OPTIMIZER", t1, t2, step=step, entries=int(idx.numel()))
     if bucket.copied[step % 2] is not None:
@@ -157,7 +169,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
     the user's class)."""
 
     def __init__(self, params, named_parameters, compression, staleness, semantics, process_set,
-                 adjuster=None, staleness_warmup=0, stale_prediction=None):
+                 adjuster=None, staleness_warmup=0, stale_prediction=None, momentum_correction=False):
         super().__init__(params)
         if staleness not in (0, 1):
             raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
@@ -192,6 +204,15 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._device = one_device(flat_params, "engine='cpu'", [self._names[p] for p in flat_params]) \
             if flat_params else torch.device("cpu")
         self._route = route_for(self._device) if self._device.type == "cuda" else None
+        # momentum correction (optim/momentum_correction.py): each rank keeps a velocity per bucket and
+        # the route carries velocities; the C optimizer then runs SGD without momentum or weight decay
+        self._mc = None
+        if momentum_correction:
+            if momentum_correction == "masking":
+                raise ValueError("engine='cpu': momentum factor masking is not supported (momentum_correction=True)")
+            if self._stella_base_class is not torch.optim.SGD or self._compression is None:
+                raise ValueError("engine='cpu' with momentum_correction needs SGD and a sparse compression")
+            self._mc = MomentumCorrectionState()
         rt = state.current()
         # the pool first: if its cores are refused, no hook is left on the model's parameters
         self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
@@ -272,8 +293,12 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 synchronize(handle)
             except NonFiniteGradientError as e:
                 bucket.applied = s   # nothing was updated or staged: the parameters stay as they are
+                if bucket.mc_momentum:
+                    self._mc.refused(bucket.name("cpu_engine.bucket", self._names), tag=s)
                 self._nonfinite(bucket, s, e)
                 continue
+            if bucket.mc_momentum:
+                self._mc.applied(bucket.name("cpu_engine.bucket", self._names), tag=s)
             t1 = time.perf_counter()
             if self._adjust is not None:
                 self._adjust.idle(t1 - t0)
@@ -302,12 +327,18 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         flat = torch.cat([p.detach().reshape(-1) for p in bucket.params]).cpu()
         bucket.master = flat[start:start + bucket.counts[topo.cluster_rank]].clone()
         group = self.param_groups[bucket.group_index]
+        bucket.mc_momentum = group["momentum"] if self._mc is not None and group.get("momentum", 0.0) > 0 else 0.0
+        if bucket.mc_momentum:
+            # the route already applied momentum and weight decay (momentum correction)
+            group = dict(group, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
+            bucket.previous = bucket.master.clone()
         bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics)
         pinned = self._route is not None
         bucket.staged = [torch.empty(bucket.numel, pin_memory=pinned), torch.empty(bucket.numel, pin_memory=pinned)]
         if pinned:
             bucket.grad_host = [torch.empty(bucket.numel, pin_memory=True), torch.empty(bucket.numel, pin_memory=True)]
-        bucket.predicts = self._predict and bucket.sopt.moves_without_gradient()
+        # with momentum correction the forward's prediction extrapolates the last update by the momentum
+        bucket.predicts = self._predict and (bool(bucket.mc_momentum) or bucket.sopt.moves_without_gradient())
         if bucket.predicts:
             bucket.predicted = torch.empty_like(bucket.master)
 
@@ -329,6 +360,10 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self._init_bucket(bucket)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
                           for p in bucket.params])
+        if bucket.mc_momentum:
+            weights = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+            self._mc.transform(bucket.name("cpu_engine.bucket", self._names), weights, grad,
+                               self.param_groups[bucket.group_index], tag=step)
         ready = None
         if self._route is not None:
             # device-to-host on the side stream, after the kernels that wrote the gradients; the
@@ -459,14 +494,15 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
 
 
 def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,
-                              model=None, adjuster=None, staleness_warmup=0, stale_prediction=None):
+                              model=None, adjuster=None, staleness_warmup=0, stale_prediction=None,
+                              momentum_correction=False):
     if type(optimizer) not in SUPPORTED:
         raise ValueError("engine='cpu' runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in C; "
                          "%s is not supported (use engine=None for any optimizer)" % type(optimizer).__name__)
     cls = type(optimizer.__class__.__name__, (_CpuEngineOptimizer, optimizer.__class__), {})
     cls._stella_base_class = optimizer.__class__
     opt = cls(optimizer.param_groups, named_parameters, compression, staleness, semantics, process_set, adjuster,
-              staleness_warmup, stale_prediction)
+              staleness_warmup, stale_prediction, momentum_correction)
     if model is not None:
         opt.attach(model)
     return opt

@@ -57,9 +57,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
     if momentum_correction not in (False, True, "masking"):
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
-    if (momentum_correction or density_warmup or dense_below) and (engine is not None or op == Adasum):
-        raise ValueError("momentum_correction, density_warmup and dense_below apply to the synchronous optimizer's sparse route "
+    if (density_warmup or dense_below) and (engine is not None or op == Adasum):
+        raise ValueError("density_warmup and dense_below apply to the synchronous optimizer's sparse route "
                          "(engine=None, op Average or Sum)")
+    if momentum_correction and op == Adasum:
+        raise ValueError("momentum_correction applies to the sparse route (op Average or Sum)")
     if engine == "cpu":
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
@@ -68,7 +70,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             raise ValueError("engine='cpu' runs one backward pass per step: use an Adjuster with "
                              "allow_accumulation=False")
         return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
-                                         process_set, model, adjuster, staleness_warmup, stale_prediction)
+                                         process_set, model, adjuster, staleness_warmup, stale_prediction,
+                                         momentum_correction)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:

@@ -50,37 +50,43 @@ class MomentumCorrectionState:
             raise ValueError("%s: SGD with maximize=True is not supported" % what)
         return True
 
-    def transform(self, name, param, grad, group):
-        """Turn this rank's gradient into what the sparse route sends (in place of ``grad``)."""
+    def transform(self, name, param, grad, group, tag=None):
+        """Turn this rank's gradient into what the sparse route sends (in place of ``grad``).
+        ``tag`` (the CPU engine's step) keeps one backup per step in flight."""
         m, damp, wd = group["momentum"], group.get("dampening", 0.0), group.get("weight_decay", 0.0)
         g = grad.add(param.detach(), alpha=wd) if wd else grad
         u = self.velocity.get(name)
         if u is None or u.shape != grad.shape or u.device != grad.device:
             u = torch.zeros_like(grad)
             self.velocity[name] = u
-            self._backup[name] = None
+            self._backup[(name, tag)] = None
         else:
-            self._backup[name] = u.clone()
+            self._backup[(name, tag)] = u.clone()
         u.mul_(m).add_(g, alpha=1.0 - damp)
         if group.get("nesterov", False):
             grad.copy_(g.add(u, alpha=m))
         else:
             grad.copy_(u)
 
-    def applied(self, name, reduced):
+    def applied(self, name, reduced=None, tag=None):
         """The step went through: with masking, zero the velocity where ``reduced`` came back
         non-zero. The backup of this step is dropped."""
-        self._backup.pop(name, None)
-        if self.masking:
+        self._backup.pop((name, tag), None)
+        if self.masking and reduced is not None:
             u = self.velocity.get(name)
             if u is not None:
                 u.masked_fill_(reduced != 0, 0.0)
 
-    def refused(self, name):
-        """The step was refused on every rank (non-finite gradient): restore the velocity."""
-        if name not in self._backup:
+    def refused(self, name, tag=None):
+        """The step was refused on every rank (non-finite gradient): restore the velocity from
+        before it. With tags, the backups of later steps of ``name`` go too: their velocities
+        carried the refused step's values, so those steps are refused as well."""
+        if (name, tag) not in self._backup:
             return
-        old = self._backup.pop(name)
+        old = self._backup.pop((name, tag))
+        if tag is not None:
+            for key in [k for k in self._backup if k[0] == name and k[1] is not None and k[1] > tag]:
+                del self._backup[key]
         if old is None:
             self.velocity.pop(name, None)
         else:

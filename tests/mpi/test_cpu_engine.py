@@ -227,3 +227,31 @@ def test_refused_worker_cores_leave_no_hook_behind(monkeypatch):
     x, y = _batch(hvd.rank(), 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()   # no hook of the refused optimizer runs
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_momentum_correction_at_density_one_matches_torch_sgd():
+    """engine='cpu' with momentum correction: the ranks' velocities cross the route, the C optimizer
+    applies them without momentum; at density 1 and staleness 0 that is torch's momentum SGD."""
+    _skip_uneven()
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    model = _model()
+    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                   engine="cpu", staleness=0, model=model, momentum_correction=True,
+                                   compression=hvd.Compression.topk(density=1.0))
+    ref = _model()
+    ref_opt = make(ref.parameters())
+    for step in range(6):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        _mean_grad(ref, step)
+        ref_opt.step()
+    opt.drain()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="masking is not supported"):
+        hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(), engine="cpu",
+                                 momentum_correction="masking", compression=hvd.Compression.topk(density=0.1))
