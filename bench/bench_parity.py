@@ -1,0 +1,86 @@
+"""Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
+byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
+(top-k and cache-aware at 1 %, momentum correction, masking, density warm-up, dense small tensors,
+the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
+
+    .venv/bin/python bench/bench_parity.py                                 # the convergence test's setting
+    .venv/bin/python bench/bench_parity.py --hidden 1024 --lr 0.1 --steps 300   # issue 13's setting
+    .venv/bin/python bench/bench_parity.py --variants dense topk topk+mc       # a subset
+
+Losses do not depend on timing, so no WAN emulation is needed. Writes bench/results/parity.json
+(``python bench/report.py`` draws it).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+VARIANTS = {   # name: train_horovod.py options
+    "dense": ["--compression", "none"],
+    "topk": ["--compression", "topk"],
+    "topk+mc": ["--compression", "topk", "--momentum-correction", "on"],
+    "topk+mc+warmup50": ["--compression", "topk", "--momentum-correction", "on", "--density-warmup", "50"],
+    "cacheaware": ["--compression", "cacheaware"],
+    "cacheaware+mc": ["--compression", "cacheaware", "--momentum-correction", "on"],
+    "cacheaware+mc+masking": ["--compression", "cacheaware", "--momentum-correction", "masking"],
+    "cacheaware+warmup50": ["--compression", "cacheaware", "--density-warmup", "50"],
+    "cacheaware+mc+warmup50": ["--compression", "cacheaware", "--momentum-correction", "on", "--density-warmup", "50"],
+    "cacheaware+mc+dense_below1600": ["--compression", "cacheaware", "--momentum-correction", "on",
+                                      "--dense-below", "1600"],
+    "cpu0:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"],
+    "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
+    "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],
+    "cpu1:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on"],
+    "cpu1:cacheaware": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
+}
+
+
+def run(name, args, tmp):
+    out = os.path.join(tmp, name.replace(":", "_").replace("+", "_") + ".json")
+    stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    cmd = [stellarun, "-np", "4", "--clusters", "2", "--timeout", "300", sys.executable,
+           os.path.join(ROOT, "examples", "train_horovod.py"), "--steps", str(args.steps), "--log-every",
+           str(args.steps), "--hidden", str(args.hidden), "--optimizer", "sgd", "--lr", str(args.lr), "--density",
+           str(args.density), "--seed", str(args.seed), "--json-out", out] + VARIANTS[name]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit("%s failed:\n%s" % (name, (proc.stdout + proc.stderr)[-3000:]))
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "parity.json"))
+    args = p.parse_args()
+    names = ["dense"] + [v for v in args.variants if v != "dense"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            r = run(name, args, tmp)
+            rows.append({"variant": name, "validation_loss": r["validation_loss"],
+                         "wan_bytes_per_step": r["wan_bytes_sent_per_step"]})
+            dense = rows[0]["validation_loss"]
+            rows[-1]["loss_vs_dense"] = r["validation_loss"] / dense
+            print("%-32s held-out loss %.4f  (%+.1f %% vs dense)  WAN %.3f MB/step" % (
+                name, r["validation_loss"], 100 * (rows[-1]["loss_vs_dense"] - 1), r["wan_bytes_sent_per_step"] / 1e6),
+                flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "settings": vars(args), "results": rows}, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
