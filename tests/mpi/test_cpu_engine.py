@@ -33,20 +33,28 @@ def _skip_uneven():
                          ids=["sgd", "adam", "adamw"])
 def test_staleness0_matches_torch_optimizer(make):
     _skip_uneven()
+    _against_torch(make)
+
+
+def _against_torch(make, steps=6, **engine):
+    """Train with engine='cpu' (staleness 0) and with ``make``'s torch optimizer on the mean
+    gradient of every rank's batch; the parameters must agree."""
     model = _model()
     opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
-                                   engine="cpu", staleness=0, model=model)
+                                   engine="cpu", staleness=0, model=model, **engine)
     ref = _model()
     ref_opt = make(ref.parameters())
-    for step in range(6):
+    for step in range(steps):
         opt.zero_grad()
         x, y = _batch(hvd.rank(), step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         _mean_grad(ref, step)
         ref_opt.step()
+    opt.drain()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    return model
 
 
 def test_staleness1_uses_updates_up_to_t_minus_2_and_never_half_applied(monkeypatch):
@@ -236,22 +244,7 @@ def test_momentum_correction_at_density_one_matches_torch_sgd():
 
     def make(ps):
         return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3)
-    model = _model()
-    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
-                                   engine="cpu", staleness=0, model=model, momentum_correction=True,
-                                   compression=hvd.Compression.topk(density=1.0))
-    ref = _model()
-    ref_opt = make(ref.parameters())
-    for step in range(6):
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        _mean_grad(ref, step)
-        ref_opt.step()
-    opt.drain()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    model = _against_torch(make, momentum_correction=True, compression=hvd.Compression.topk(density=1.0))
     with pytest.raises(ValueError, match="masking is not supported"):
         hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(), engine="cpu",
                                  momentum_correction="masking", compression=hvd.Compression.topk(density=0.1))

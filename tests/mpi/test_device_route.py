@@ -74,6 +74,14 @@ def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
             _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
 
 
+def _same_runs(host, dev, what):
+    """Two runs' per-step lists of tensors, equal bit for bit."""
+    assert len(host) == len(dev)
+    for step, (hs, ds) in enumerate(zip(host, dev)):
+        for i, (h, g) in enumerate(zip(hs, ds)):
+            _same(h, g, "%s %d parameter %d" % (what, step, i))
+
+
 def _wide_model(device):
     torch.manual_seed(3)
     return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 10)).to(device)
@@ -101,11 +109,7 @@ def test_distributed_optimizer_reduced_gradients(device_route, compression):
             with opt.skip_synchronize():
                 opt.step()
         return seen
-    host = train(torch.device("cpu"))
-    dev = device_route(train)
-    for step, (hs, ds) in enumerate(zip(host, dev)):
-        for i, (h, g) in enumerate(zip(hs, ds)):
-            _same(h, g, "step %d parameter %d" % (step, i))
+    _same_runs(train(torch.device("cpu")), device_route(train), "step")
 
 
 def _skip_uneven():
@@ -135,11 +139,7 @@ def test_cpu_engine_model_on_the_device(device_route, staleness):
         opt.drain()
         seen.append([p.detach().cpu().clone() for p in model.parameters()])
         return seen
-    host = train(torch.device("cpu"))
-    dev = device_route(train)
-    for step, (hs, ds) in enumerate(zip(host, dev)):
-        for i, (h, g) in enumerate(zip(hs, ds)):
-            _same(h, g, "forward %d parameter %d" % (step, i))
+    _same_runs(train(torch.device("cpu")), device_route(train), "forward")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
