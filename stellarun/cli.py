@@ -99,6 +99,7 @@ def check_mpirun(mpirun):
         if mine is None or (version is not None and version == mine):
             return
         what = "MPICH %s's hydra" % version if version else "a launcher whose version could not be read"
+    mine = mine or "(version unread)"
     raise UsageError("stellarun: %s is %s, but this environment's mpi4py runs on MPICH %s (the mpich wheel): its "
                      "ranks would not find a matching process manager (PMI) and fail with hydra errors. Use %s (the "
                      "default: leave out --mpirun), or build mpi4py against that MPI." % (mpirun, what, mine, own))

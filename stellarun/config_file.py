@@ -61,11 +61,25 @@ def _scalar(text):
     return text
 
 
+def _strip_comment(raw):
+    """The line without its comment: from a ``#`` at the start or after a space, outside quotes."""
+    quote = None
+    for i, ch in enumerate(raw):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or raw[i - 1] in " \t"):
+            return raw[:i].rstrip()
+    return raw.rstrip()
+
+
 def parse_yaml_subset(text, path="<config>"):
     """{section: {key: value}} (and top-level scalars) from the YAML subset described above."""
     out, section = {}, None
     for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        line = _strip_comment(raw)
         if not line.strip():
             continue
         indent = len(line) - len(line.lstrip(" "))
@@ -86,6 +100,29 @@ def parse_yaml_subset(text, path="<config>"):
                 raise ConfigFileError("%s:%d: %r is indented but belongs to no section" % (path, n, key))
             section[key] = _scalar(value)
     return out
+
+
+# argparse destination -> (type, what it must be)
+TYPES = {"fusion_threshold_mb": (float, "a number of MiB"), "cycle_time_ms": (float, "a number of ms"),
+         "cache_capacity": (int, "a whole number"), "timeline_filename": (str, "a path"),
+         "timeline_mark_cycles": (bool, "true or false"), "stall_check": (bool, "true or false"),
+         "stall_check_warning_time_seconds": (float, "a number of seconds"),
+         "stall_check_shutdown_time_seconds": (float, "a number of seconds"),
+         "log_level": (str, "one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"),
+         "timeout": (float, "a number of seconds")}
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+def _checked(path, key, dest, value):
+    cast, what = TYPES[dest]
+    ok = isinstance(value, bool) if cast is bool else (
+        isinstance(value, str) if cast is str else
+        isinstance(value, (int, float)) and not isinstance(value, bool) and (cast is float or isinstance(value, int)))
+    if dest == "log_level" and ok:
+        ok = value.upper() in LOG_LEVELS
+    if not ok or (cast in (int, float) and value < 0):
+        raise ConfigFileError("%s: %s must be %s, not %r" % (path, key, what, value))
+    return value
 
 
 def load(path):
@@ -110,5 +147,5 @@ def load(path):
                                       % (path, name, key, ", ".join(sorted(KEYS[name]))))
             dest = KEYS[name][key]
             if dest is not None:
-                settings[dest] = value
+                settings[dest] = _checked(path, "%s.%s" % (name, key), dest, value)
     return settings

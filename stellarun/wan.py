@@ -270,4 +270,11 @@ def reap_stale():
         elif _run(["ip", "link", "del", name], check=False).returncode != 0:
             continue   # went with its namespace
         removed.append(name)
+    # hosts files whose namespace is gone (a launcher killed between removing the two)
+    if os.path.isdir(NETNS_ETC):
+        for name in os.listdir(NETNS_ETC):
+            m = _NS_RE.fullmatch(name)
+            if m and not os.path.exists("/proc/%d" % int(m.group(1))):
+                shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+                removed.append(os.path.join(NETNS_ETC, name))
     return removed

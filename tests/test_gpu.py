@@ -26,7 +26,9 @@ def test_two_clusters_sharing_one_gpu():
 
 
 def test_one_cluster_sharing_one_gpu_is_staged():
-    _check(run_mpi(2, SUITES, env={"STELLA_CLUSTERS": "1"}, timeout=600), "1 cluster x 2 ranks on one GPU")
+    # one visible GPU whatever the machine has: the two ranks share it, NCCL is not used
+    _check(run_mpi(2, SUITES, env={"STELLA_CLUSTERS": "1", "CUDA_VISIBLE_DEVICES": "0"}, timeout=600),
+           "1 cluster x 2 ranks on one GPU")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with 2 ranks needs 2 GPUs")

@@ -57,6 +57,11 @@ def test_config_file_and_the_command_line_winning(tmp_path):
     assert env["HOROVOD_FUSION_THRESHOLD"] == str(16 << 20) and env["HOROVOD_CYCLE_TIME"] == "2.0"
     assert env["HOROVOD_TIMELINE"] == "/tmp/x.json" and env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
     assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1" and env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "30.0"
+    cfg.write_text('timeline:\n  filename: "/tmp/run #1.json"   # a quoted hash stays\n')
+    import shlex
+    line = _stellarun("--dry-run", "-np", "2", "--config-file", str(cfg), "python", "t.py").stdout
+    words = shlex.split(line)
+    assert words[words.index("HOROVOD_TIMELINE") + 1] == "/tmp/run #1.json"
     cfg.write_text('{"timeline": {"filename": "/tmp/y.json"}}')
     assert _genv(_stellarun("--dry-run", "-np", "2", "--config-file", str(cfg), "python", "t.py").stdout)[
         "HOROVOD_TIMELINE"] == "/tmp/y.json"
@@ -67,6 +72,8 @@ def test_config_file_and_the_command_line_winning(tmp_path):
     ("autotune:\n  enabled: true\n", "unknown section 'autotune'"),
     ("params\n", "expected 'key: value'"),
     ("  cycle_time_ms: 1\n", "belongs to no section"),
+    ("params:\n  fusion_threshold_mb: 32MB\n", "params.fusion_threshold_mb must be a number of MiB, not '32MB'"),
+    ("logging:\n  level: LOUD\n", "logging.level must be one of"),
 ])
 def test_config_file_errors_name_the_line(tmp_path, text, says):
     cfg = tmp_path / "bad.yaml"

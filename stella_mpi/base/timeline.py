@@ -69,7 +69,8 @@ class Timeline:
             self.dropped += 1
             note = {"name": "timeline cap reached (STELLA_TIMELINE_MAX_MB): later events not written",
                     "ph": "i", "s": "g", "pid": 0, "tid": 0, "ts": self._us(time.perf_counter())}
-            self._write_raw(",\n" + json.dumps(note))
+            self._write_raw(("" if self._first else ",\n") + json.dumps(note))
+            self._first = False
             return
         self._first = False
         self._write_raw(text)
@@ -129,6 +130,17 @@ def stop():
 
 def active():
     return _ACTIVE
+
+
+def flush():
+    """Push what is buffered to the file (the job is about to end abruptly: os._exit skips buffers)."""
+    tl = _ACTIVE
+    if tl is not None and tl._lock.acquire(timeout=0.5):   # never wait long: the job is ending
+        try:
+            if tl._file is not None:
+                tl._file.flush()
+        finally:
+            tl._lock.release()
 
 
 @contextmanager

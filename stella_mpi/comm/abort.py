@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+from ..base import timeline
 from ..base.config import launcher_rank_setting, status_dir_setting
 
 _lock = threading.Lock()
@@ -98,6 +99,7 @@ def end_job(message, cause="collective", exit_code=1):
         if message:
             _write(message.rstrip("\n") + "\nstella_mpi: rank %d: ending the job on every rank\n" % rank)
         record_status(cause, message.strip().splitlines()[0] if message.strip() else cause, rank)
+        timeline.flush()   # the events up to the failure are the ones a timeline is read for
         time.sleep(0.5)  # let the launcher forward the message before the job is torn down
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():

@@ -455,6 +455,8 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self.drain()
         topo = self._process_set.topology
         out = {"engine": "cpu", "steps": self._steps, "semantics": self._semantics, "buckets": []}
+        if self._mc is not None:
+            out["stella_momentum_correction"] = self._mc.state_dict()   # this rank's velocities
         for b in self._buckets:
             if b.master is None:
                 out["buckets"].append(None)
@@ -488,9 +490,13 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             b.sopt.load_state_dict({"optimizer": sb["optimizer"], "mode": sb["mode"], "step": sb["step"],
                                     "hparams": sb["hparams"], "state": [mine]})
             _copy_into_params(sb["full"]["master"], b.params)
+            if b.previous is not None:
+                b.previous.copy_(b.master)   # the prediction extrapolates from the loaded weights
             b.applied = state["steps"] - 1
             b.predicted_in_model = False
         self._steps = state["steps"]
+        if self._mc is not None and "stella_momentum_correction" in state:
+            self._mc.load_state_dict(state["stella_momentum_correction"])
 
 
 def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,

@@ -8,7 +8,8 @@ arrivals forward. With it (DGC, Lin et al., ICLR 2018), each rank keeps the velo
 the sparse route carries velocities:
 
     g'  = g + weight_decay * w                 (this rank's gradient, decayed as SGD does)
-    u   = momentum * u + (1 - dampening) * g'  (this rank's velocity, kept here)
+    u   = momentum * u + (1 - dampening) * g'  (this rank's velocity, kept here; the first step
+                                                u = g', as torch's SGD starts its buffer)
     sent = u,  or  g' + momentum * u  with nesterov
     the route: residual += sent; select; residual -= selected (error feedback is DGC's
     accumulation v); the average of the selections over all ranks comes back
@@ -25,9 +26,12 @@ measured separately.
 
 The velocity is explicit state (``MomentumCorrectionState``: settings, one buffer per parameter,
 its own ``state_dict``), saved in the optimizer's ``state_dict()`` under
-``"stella_momentum_correction"``. A step refused for a NaN/Inf gradient (STELLA_NONFINITE=skip)
-rolls the velocity back on every rank, so the non-finite values reach neither the velocity nor
-the residual (the route refuses before it selects).
+``"stella_momentum_correction"``. A step refused for a NaN/Inf gradient (STELLA_NONFINITE=skip or
+raise) rolls every velocity of that step back on every rank, also those of buckets that went
+through, so the non-finite values reach neither the velocity nor the residual (the route refuses
+before it selects). The velocities accumulate the gradients as backward left them: with AMP's
+GradScaler (scaled gradients, a changing scale) or gradient clipping after ``synchronize()``
+the correction carries scaled values and clips velocities; use it with unscaled gradients.
 """
 import torch
 
@@ -57,12 +61,12 @@ class MomentumCorrectionState:
         g = grad.add(param.detach(), alpha=wd) if wd else grad
         u = self.velocity.get(name)
         if u is None or u.shape != grad.shape or u.device != grad.device:
-            u = torch.zeros_like(grad)
+            u = g.clone()              # torch's SGD starts its buffer at the first gradient (no dampening)
             self.velocity[name] = u
             self._backup[(name, tag)] = None
         else:
             self._backup[(name, tag)] = u.clone()
-        u.mul_(m).add_(g, alpha=1.0 - damp)
+            u.mul_(m).add_(g, alpha=1.0 - damp)
         if group.get("nesterov", False):
             grad.copy_(g.add(u, alpha=m))
         else:
@@ -102,8 +106,9 @@ class MomentumCorrectionState:
 
 
 def plain_sgd_step(optimizer_step, param_groups, closure=None):
-    """Run the user's SGD step with momentum, dampening, nesterov and weight decay off (the route
-    already applied them), then restore the groups' settings."""
+    """Run the user's SGD step with momentum, dampening, nesterov and weight decay off in
+    ``param_groups`` (the corrected groups: the route already applied them; other groups of the
+    optimizer keep theirs), then restore the groups' settings."""
     saved = []
     for g in param_groups:
         saved.append({k: g.get(k) for k in ("momentum", "dampening", "nesterov", "weight_decay")})

@@ -239,6 +239,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self._adjust.enter()
         self._launch_remaining()
         refused = []
+        masked = []   # momentum correction: parameters that went the sparse way (masking applies to them)
         for bucket in self._buckets:
             if bucket.handle is not None:
                 t0 = time.perf_counter()
@@ -246,16 +247,13 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                     synchronize(bucket.handle)
                 except NonFiniteGradientError as e:
                     refused.append((bucket, e))
-                    if self._mc is not None:
-                        for p in bucket.dense:
-                            self._mc.refused(self._names[p])
                 else:
                     for p, (c, ctx) in zip(bucket.dense, bucket.compressed):
                         out = c if ctx is None else self._compression.decompress(c, ctx)
                         if out is not p.grad:
                             p.grad.copy_(out)
                         if self._mc is not None and p in self._mc_groups:
-                            self._mc.applied(self._names[p], p.grad)
+                            masked.append(p)
                 if self._adjust is not None:
                     self._adjust.idle(time.perf_counter() - t0)
             if bucket.small is not None:
@@ -265,15 +263,10 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
                     synchronize(handle)
                 except NonFiniteGradientError as e:
                     refused.append((bucket, e))
-                    if self._mc is not None:
-                        for p in small_params:
-                            self._mc.refused(self._names[p])
                 else:
                     for p, t in zip(small_params, small_tensors):
                         if t is not p.grad:
                             p.grad.copy_(t)
-                        if self._mc is not None and p in self._mc_groups:
-                            self._mc.applied(self._names[p], p.grad)
                 bucket.dense = bucket.dense + small_params
             for p, wait in bucket.sparse:
                 p.grad = wait()
@@ -284,6 +277,15 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             bucket.compressed = None
             bucket.sparse = []
         self._densified.clear()
+        if self._mc_this_step:
+            # the step is agreed (or refused) as a whole: every velocity of it is kept or rolled back
+            masked = set(masked)
+            for p in self._mc_groups:
+                if refused:
+                    self._mc.refused(self._names[p])
+                    self._mc_this_step = False
+                else:
+                    self._mc.applied(self._names[p], p.grad if p in masked else None)
         self._start_step()
         for p in self._params:
             self._passes[p] = self.backward_passes_per_step
@@ -336,7 +338,8 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         skip, self._skip_step = self._skip_step, False
         corrected, self._mc_this_step = self._mc_this_step, False
         # momentum correction: the route carried velocities, so SGD applies them as they are
-        user_step = (lambda c: plain_sgd_step(super(_DistributedOptimizer, self).step, self.param_groups, c)) \
+        corrected_groups = [g for g in self.param_groups if any(g is h for h in self._mc_groups.values())]
+        user_step = (lambda c: plain_sgd_step(super(_DistributedOptimizer, self).step, corrected_groups, c)) \
             if corrected else super().step
         if self._adjust is None:
             return None if skip else user_step(closure)

@@ -248,3 +248,29 @@ def test_momentum_correction_at_density_one_matches_torch_sgd():
     with pytest.raises(ValueError, match="masking is not supported"):
         hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(), engine="cpu",
                                  momentum_correction="masking", compression=hvd.Compression.topk(density=0.1))
+
+
+def test_momentum_correction_state_survives_a_checkpoint():
+    """The velocities are saved with the engine's state_dict and restored by load_state_dict."""
+    _skip_uneven()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
+                                   model=model, momentum_correction=True, compression=hvd.Compression.topk(0.5))
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    saved = opt.state_dict()
+    velocity = saved["stella_momentum_correction"]["velocity"]
+    assert velocity and all(bool(v.abs().sum() > 0) for v in velocity.values())
+    other = _model()
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=other.named_parameters(), engine="cpu", staleness=1,
+                                    model=other, momentum_correction=True, compression=hvd.Compression.topk(0.5))
+    opt2.load_state_dict(saved)
+    assert set(opt2._mc.velocity) == set(velocity)
+    assert all(torch.equal(opt2._mc.velocity[k], v) for k, v in velocity.items())
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)

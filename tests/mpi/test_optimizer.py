@@ -208,14 +208,12 @@ def test_dense_below_sends_small_tensors_dense_within_the_budget():
     """dense_below: tensors smaller than it are reduced densely beside the sparse route; the others'
     density is lowered so that a step's bytes stay the compressor's budget. At density 1 the result
     is the dense one; a budget the small tensors alone exceed is refused."""
-    n = hvd.size()
     ref, _ = _train(3, 0.1, 0.9)
     model, opt = _train(3, 0.1, 0.9, compression=hvd.Compression.topk(density=1.0), dense_below=20,
                         momentum_correction=True)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     _assert_same_everywhere(model)
-    assert n >= 1
     m = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                    compression=hvd.Compression.cacheaware(density=0.2), dense_below=20)
@@ -225,3 +223,46 @@ def test_dense_below_sends_small_tensors_dense_within_the_budget():
     with pytest.raises(ValueError, match="cost more than the byte budget"):
         hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                  compression=hvd.Compression.cacheaware(density=0.01), dense_below=20)
+
+
+def test_momentum_correction_keeps_uncorrected_groups_and_skipped_steps_as_they_are():
+    """A group without momentum keeps its own weight decay (only corrected groups are stepped
+    without it); a step skipped for a NaN on one rank leaves every velocity as it was, also those
+    of buckets that went through."""
+    n = hvd.size()
+
+    def make(model):
+        return torch.optim.SGD([{"params": [model[0].weight, model[2].weight], "momentum": 0.9},
+                                {"params": [model[0].bias, model[2].bias], "momentum": 0.0, "weight_decay": 0.5}],
+                               lr=0.1)
+    ref = _model()
+    ref_opt = make(ref)
+    model = _model()
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters(), groups=2,
+                                   compression=hvd.Compression.topk(density=1.0), momentum_correction=True)
+    for step in range(3):
+        ref_opt.zero_grad()
+        for r in range(n):
+            x, y = _batch(r, step)
+            (torch.nn.functional.cross_entropy(ref(x), y) / n).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    if n < 2:
+        return
+    velocity = {k: v.clone() for k, v in opt._mc.velocity.items()}
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    x, y = _batch(hvd.rank(), 9)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if hvd.rank() == 1:
+        model[2].weight.grad[0, 0] = float("nan")   # one bucket refused; the other goes through
+    opt.step()   # skipped on every rank (STELLA_NONFINITE=skip), with a warning in the log
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert set(opt._mc.velocity) == set(velocity)
+    for k, v in velocity.items():
+        assert torch.equal(opt._mc.velocity[k], v), k

@@ -8,11 +8,11 @@ from stella_mpi.optim.momentum_correction import MomentumCorrectionState, plain_
 
 
 def _reference(grads, w, m, damp, wd, nesterov):
-    u = np.zeros_like(w)
+    u = None
     sent = []
     for g in grads:
         g = g + wd * w
-        u = m * u + (1 - damp) * g
+        u = g.copy() if u is None else m * u + (1 - damp) * g   # torch's SGD: the first buffer is g
         sent.append(g + m * u if nesterov else u.copy())
     return sent, u
 
@@ -33,6 +33,27 @@ def test_velocity_and_sent_match_numpy(nesterov, wd, damp):
         np.testing.assert_allclose(t.numpy(), s, rtol=1e-12, atol=1e-12)
         st.applied("w", t)
     np.testing.assert_allclose(st.velocity["w"].numpy(), u_want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov,damp", [(False, 0.0), (False, 0.5), (True, 0.0)])
+def test_applied_with_plain_sgd_is_torchs_momentum_sgd(nesterov, damp):
+    """One process, everything sent: the velocity applied by SGD without momentum is torch's
+    momentum SGD, dampening and weight decay included (torch starts its buffer at the gradient)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(20, dtype=torch.float64) for _ in range(4)]
+    ref = torch.nn.Parameter(torch.randn(20, dtype=torch.float64))
+    mine = torch.nn.Parameter(ref.detach().clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, dampening=damp, weight_decay=0.01, nesterov=nesterov)
+    opt = torch.optim.SGD([mine], lr=0.1, momentum=0.9, dampening=damp, weight_decay=0.01, nesterov=nesterov)
+    st = MomentumCorrectionState()
+    for g in grads:
+        ref.grad = g.clone()
+        ref_opt.step()
+        mine.grad = g.clone()
+        st.transform("w", mine, mine.grad, opt.param_groups[0])
+        st.applied("w")
+        plain_sgd_step(opt.step, opt.param_groups)
+    torch.testing.assert_close(mine.detach(), ref.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_masking_zeroes_the_velocity_where_the_result_came_back():
@@ -63,6 +84,22 @@ def test_a_refused_step_rolls_the_velocity_back():
     st.transform("v", torch.zeros(2), torch.tensor([float("inf"), 0.0]), group)
     st.refused("v")
     assert "v" not in st.velocity
+
+
+def test_a_refused_step_drops_the_later_steps_backups_too():
+    """The CPU engine tags backups by step: refusing step 1 restores the velocity before it, and
+    step 2 (which carried step 1's values) has nothing left to restore."""
+    st = MomentumCorrectionState()
+    group = {"momentum": 0.5}
+    st.transform("b", torch.zeros(2), torch.ones(2), group, tag=0)
+    st.applied("b", tag=0)
+    before = st.velocity["b"].clone()
+    st.transform("b", torch.zeros(2), torch.tensor([float("nan"), 1.0]), group, tag=1)
+    st.transform("b", torch.zeros(2), torch.ones(2), group, tag=2)
+    st.refused("b", tag=1)
+    assert torch.equal(st.velocity["b"], before)
+    st.refused("b", tag=2)
+    assert torch.equal(st.velocity["b"], before)
 
 
 def test_state_dict_round_trip():

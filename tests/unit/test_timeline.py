@@ -65,3 +65,12 @@ def test_restart_closes_the_previous_file(tmp_path):
     timeline.instant("second")
     timeline.stop()
     assert _load(a) == [] and _load(b)[0]["name"] == "second"
+
+
+def test_a_cap_below_the_first_event_still_gives_valid_json(tmp_path):
+    path = tmp_path / "zero.json"
+    timeline.start(str(path), max_bytes=0)
+    timeline.instant("dropped")
+    timeline.stop()
+    events = _load(path)
+    assert len(events) == 1 and "cap reached" in events[0]["name"]
