@@ -153,21 +153,16 @@ def test_broadcast_parameters_and_optimizer_state():
         assert torch.equal(p, q.detach() + (hvd.size() - 1)), n
 
 
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
-    """DGC's momentum correction: ranks keep the velocity and the sparse route carries it; at
-    density 1 (everything sent) the result is dense momentum SGD's (the average of velocities is
-    the velocity of the average), with weight decay and nesterov."""
+def _corrected_against_torch(make, steps, **kwargs):
+    """Train with momentum correction at density 1 and with ``make(model)``'s torch optimizer on
+    the mean gradient of every rank's batch; the parameters must agree. Returns (model, opt)."""
     n = hvd.size()
-
-    def make(ps):
-        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=nesterov)
     ref = _model()
-    ref_opt = make(ref.parameters())
+    ref_opt = make(ref)
     model = _model()
-    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.topk(density=1.0), momentum_correction=True)
-    for step in range(6):
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(density=1.0), momentum_correction=True, **kwargs)
+    for step in range(steps):
         ref_opt.zero_grad()
         for r in range(n):
             x, y = _batch(r, step)
@@ -179,6 +174,16 @@ def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
         opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    return model, opt
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
+    """DGC's momentum correction: ranks keep the velocity and the sparse route carries it; at
+    density 1 (everything sent) the result is dense momentum SGD's (the average of velocities is
+    the velocity of the average), with weight decay and nesterov."""
+    model, opt = _corrected_against_torch(
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=nesterov), 6)
     _assert_same_everywhere(model)
     assert opt.param_groups[0]["momentum"] == 0.9 and "momentum_buffer" not in opt.state.get(
         next(model.parameters()), {})
@@ -229,30 +234,12 @@ def test_momentum_correction_keeps_uncorrected_groups_and_skipped_steps_as_they_
     """A group without momentum keeps its own weight decay (only corrected groups are stepped
     without it); a step skipped for a NaN on one rank leaves every velocity as it was, also those
     of buckets that went through."""
-    n = hvd.size()
-
     def make(model):
         return torch.optim.SGD([{"params": [model[0].weight, model[2].weight], "momentum": 0.9},
                                 {"params": [model[0].bias, model[2].bias], "momentum": 0.0, "weight_decay": 0.5}],
                                lr=0.1)
-    ref = _model()
-    ref_opt = make(ref)
-    model = _model()
-    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters(), groups=2,
-                                   compression=hvd.Compression.topk(density=1.0), momentum_correction=True)
-    for step in range(3):
-        ref_opt.zero_grad()
-        for r in range(n):
-            x, y = _batch(r, step)
-            (torch.nn.functional.cross_entropy(ref(x), y) / n).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    if n < 2:
+    model, opt = _corrected_against_torch(make, 3, groups=2)
+    if hvd.size() < 2:
         return
     velocity = {k: v.clone() for k, v in opt._mc.velocity.items()}
     weights = [p.detach().clone() for p in model.parameters()]
