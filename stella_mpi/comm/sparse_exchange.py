@@ -224,10 +224,33 @@ def _allgather_reduce(hier, comm, sel, comp, ctx, n, kind):
     return merged
 
 
+def dense_rung(hier, piece, comp, memory, key, comm):
+    """Density 1 (the adjuster's top rung, or a user's ``density=1.0``): every entry would be
+    sent, so indices only add bytes. The residual joins the piece and is cleared, and the sum
+    crosses as in the dense route (16-bit values stay 16-bit). Counted like the sparse exchange,
+    so the adjuster keeps learning the link from it."""
+    res = memory.get(key) if memory is not None else None
+    if res is not None:
+        piece.add_(res.to(piece.device))
+        memory.reset(key)
+    grad_sq = float(torch.dot(piece, piece))
+    wire = None if comp.value_dtype == "float32" else getattr(torch, comp.value_dtype)
+    t0 = time.perf_counter()
+    hier.cross_reduce(piece, "sum", comm, wire)
+    hier.stats.add(exchange_s=time.perf_counter() - t0)
+    hier.stats.add_norms(0.0, grad_sq)
+
+
 def sparse_cross_step(hier, comp, memory, name, step, seed, scale):
     """The ``cross`` of :meth:`.hierarchy.Hierarchy.reduce_across_clusters` for a sparse
-    compressor: the piece becomes the merged selection times ``scale`` (zero elsewhere)."""
+    compressor: the piece becomes the merged selection times ``scale`` (zero elsewhere); at
+    density 1, the dense sum times ``scale`` (:func:`dense_rung`)."""
     def cross(piece, comm, kind):
+        if comp.density >= 1.0:
+            dense_rung(hier, piece, comp, memory, residual_key(name, kind, hier.topo), comm)
+            if scale != 1.0:
+                piece.mul_(scale)
+            return
         merged = sparse_reduce(hier, piece, comp, memory, name, step, seed, comm, kind)
         with timeline.span("SCATTER", entries=len(merged)):
             piece.zero_()

@@ -43,6 +43,27 @@ def test_density_one_equals_dense(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_density_one_is_sent_dense_and_flushes_the_residual():
+    """The adjuster's top rung: at density 1 the cross-cluster hop is the dense sum (no index
+    bytes), with the residual left by a sparse step added and cleared, so nothing is lost."""
+    n = 6000
+    x1 = rank_input(hvd.rank(), (n,), torch.float32, seed=51)
+    x2 = rank_input(hvd.rank(), (n,), torch.float32, seed=52)
+    comp = hvd.Compression.topk(density=0.05)
+    a = hvd.allreduce(x1, compression=comp, name="rung")
+    hvd.stats(end_step=True)
+    b = hvd.allreduce(x2, compression=comp.with_density(1.0), name="rung")
+    last = hvd.stats(end_step=True)["last_step"]
+    want = hvd.allreduce(x1 + x2, name="rung.ref")
+    torch.testing.assert_close(a + b, want, rtol=1e-5, atol=1e-5)
+    memory = state.current().sparse_memory
+    assert not [k for k in memory.names() if k.startswith("rung")], memory.names()
+    topo = hvd.global_process_set.topology
+    if topo.num_clusters == 2 and topo.uniform_clusters:   # every rank swaps its dense shard with one peer
+        shard = split_counts(n, topo.cluster_size)[topo.cluster_rank]
+        assert last["wan_bytes_sent"] == 4 * shard and last["residual_norm_ratio"] == 0.0, last
+
+
 def test_topk_matches_reference_pipeline():
     """First step (empty residual): result = sum over clusters of each cluster's top-k of its
     shard sum, divided by the number of ranks."""
