@@ -22,15 +22,40 @@ so its time is the transfer itself. The bottleneck channel decides. Each estimat
 median of the last ``window`` samples: one outlier is ignored, a step change is followed
 after ``window // 2 + 1`` samples (one more to go up).
 
-A rung fits when the time its WAN payload adds to the step, ``step(d, P) - step(0, P)``, is
-at most ``(target - 1) * P * compute``: the density-independent part of the step (selection,
-merge, optimizer, message latency) is left out, since no density removes it.
+Two objectives (``Adjuster.objective``):
+
+* ``"time_to_loss"`` (the default) picks the rung with the least predicted time per sample
+  *weighted by the error-feedback backlog* it leaves: a sparse step carries less of the
+  gradient than a dense one, and what it holds back waits in the residual. The measured
+  residual-to-gradient norm ratio rho (per window, over all ranks) is that backlog. For a
+  residual fed by gradients that are mostly noise, rho grows like sqrt((1 - d) / d) (each
+  entry waits about 1/d steps), so rho(d) = kappa * sqrt((1 - d) / d), kappa fitted as the
+  median over the recent windows (1 before any), and 0 for dense. The score of a rung::
+
+      score(P, d) = step(d, P) / P * (1 + backlog_cost * rho(d))
+
+  ``backlog_cost`` is the fraction of a step that one unit of rho costs in training progress,
+  calibrated on the byte-level LM (bench/bench_time_to_loss.py). Where compute dominates, the
+  wire adds little and the highest density the link allows wins (dense at 1 Gbit/s on the
+  bench models); where the link is slow, the lower step time of a sparse rung outweighs its
+  backlog. Hysteresis: move only to a rung whose score is lower by ``hysteresis / 2`` or more
+  (up only when two windows in a row agree, and by half a decade of density at most: the
+  bandwidth measured with tiny payloads says little about a payload 1000x larger, so the link is
+  measured again on the way up).
+* ``"step_time"`` keeps the step within ``target`` times compute: a rung fits when the time its
+  WAN payload adds to the step, ``step(d, P) - step(0, P)``, is at most ``(target - 1) * P *
+  compute``: the density-independent part of the step (selection, merge, optimizer, message
+  latency) is left out, since no density removes it. Hysteresis as below.
+
+At density 1 the exchange is dense (no indices: :func:`..comm.sparse_exchange.dense_rung`); its
+payload is predicted as ``bytes_per_density`` measured at the sparse rungs (for top-k's 6-byte
+entries that overstates dense's 4 bytes, so the dense rung is chosen a little late, never early).
 
 Decisions move along one ladder of rungs, from the most conservative to the most aggressive::
 
     (P=max_passes, min_density) ... (P=2, min_density) (P=1, min_density) ... (P=1, max_density)
 
-(the accumulation rungs only with ``allow_accumulation``). The payload's share of the step over what the
+(the accumulation rungs only with ``allow_accumulation``). Under ``"step_time"``: the payload's share of the step over what the
 target allows only grows along the ladder, so the rungs that fit the budget form a prefix and the highest
 fitting rung is well defined; a lower bandwidth can only lower it (monotone). Hysteresis (on that
 excess ratio): stay while the current rung fits within ``1 + hysteresis``; move up only to a
@@ -45,7 +70,8 @@ from .settings import AdjusterSettings
 
 # One row per rank and window; the plumbing fills it in this order (one source of truth).
 ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", "exchange_s", "engine_s",
-              "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group")
+              "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group",
+              "residual_sq", "grad_sq")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
 HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 
@@ -53,6 +79,7 @@ HISTORY = 12   # windows kept to fit the payload-independent overhead of an exch
 @dataclass(frozen=True)
 class Estimate:
     """What one decision is based on (medians over the window)."""
+    # (fields in the order the cost model uses them; ``backlog_kappa`` last: it has a default)
     compute_s: float            # forward + backward of one pass, slowest rank
     fixed_s: float              # step cost beyond compute and wire
     latency_s: float            # per message, payload-independent overhead included
@@ -61,6 +88,7 @@ class Estimate:
     bandwidth_bps: float        # bottleneck shard channel, bits/s
     wan_bandwidth_bps: float    # all shard channels together, bits/s
     step_s: float               # measured step time
+    backlog_kappa: float = 1.0  # residual-to-gradient norm ratio over sqrt((1 - d) / d)
 
 
 @dataclass(frozen=True)
@@ -105,9 +133,19 @@ def sample_from_rows(rows, overlap):
         rest = max(r[F["engine_s"]] for r in rows) - secs
     else:
         rest = step - compute * rows[0][F["passes"]] - secs   # selection, merge, optimizer, waits
+    backlog = None   # rows recorded before the norms were gathered are shorter
+    if len(rows[0]) == len(ROW_FIELDS) and density < 1.0:
+        grad = sum(r[F["grad_sq"]] for r in rows)
+        if grad > 0:
+            backlog = math.sqrt(sum(r[F["residual_sq"]] for r in rows) / grad)
     return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
             "bytes": nbytes, "exchange_s": secs, "bytes_per_density": nbytes / density,
-            "share": bw / sum(c[3] for c in channels), "step_s": step}
+            "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog}
+
+
+def backlog_shape(density):
+    """How the residual-to-gradient norm ratio grows as the density falls: sqrt((1 - d) / d)."""
+    return math.sqrt(max(1.0 - density, 0.0) / density)
 
 
 def fit_overhead(history, floor):
@@ -194,7 +232,9 @@ class Controller:
         bw = _median(bws)
         wire_now = [overhead + 8.0 * h["bytes"] / bw for h in recent]
         fixed = _median([max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)])
+        kappas = [h["backlog"] / backlog_shape(h["density"]) for h in recent if h.get("backlog") is not None]
         return Estimate(compute_s=_median([h["compute_s"] for h in recent]), fixed_s=fixed,
+                        backlog_kappa=_median(kappas) if kappas else 1.0,
                         latency_s=overhead / msgs if msgs else lat, messages=msgs,
                         bytes_per_density=_median([h["bytes_per_density"] for h in recent]), bandwidth_bps=bw,
                         wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
@@ -214,6 +254,33 @@ class Controller:
         allowed = max((self.settings.target - 1.0) * p * est.compute_s, 1e-9)
         return max(self.predict(est, p, d) - self.predict(est, p, 0.0), 0.0) / allowed
 
+    def score(self, est, i):
+        """The time-to-loss objective of rung ``i``: predicted seconds per sample, weighted by the
+        error-feedback backlog the rung's density leaves (lower is better)."""
+        p, d = self.rungs[i]
+        backlog = est.backlog_kappa * backlog_shape(d)
+        return self.predict(est, p, d) / p * (1.0 + self.settings.backlog_cost * backlog)
+
+    def _choose_by_score(self, est, cur):
+        h = self.settings.hysteresis
+        # up by half a decade at most: a payload far above the measured ones is an extrapolation
+        # (tiny payloads say little about the bandwidth), so the link is measured on the way up
+        reach = min(len(self.rungs), cur + 1 + max(1, int(self.settings.levels_per_decade) // 2))
+        scores = [self.score(est, i) for i in range(reach)]
+        best = min(range(reach), key=lambda i: (scores[i], -i))
+        if scores[best] >= (1.0 - h / 2) * scores[cur]:
+            self._up_candidates = []
+            return cur, "steady"
+        if best < cur:
+            self._up_candidates = []
+            return best, "a lower density reaches the loss sooner"
+        self._up_candidates = (self._up_candidates + [best])[-2:]
+        if len(self._up_candidates) < 2:
+            return cur, "steady"
+        new = min(self._up_candidates)
+        self._up_candidates = []
+        return new, "a higher density reaches the loss sooner"
+
     def observe(self, rows):
         """Feed one window's rows (every rank's, in rank order); returns the Decision."""
         s = self.settings
@@ -227,7 +294,9 @@ class Controller:
         cur = self._rung()
         h = s.hysteresis
         fits = [self._ratio(est, i) for i in range(len(self.rungs))]
-        if fits[cur] <= 1.0 + h:
+        if s.objective == "time_to_loss":
+            new, reason = self._choose_by_score(est, cur)
+        elif fits[cur] <= 1.0 + h:
             up = max([i for i in range(cur + 1, len(self.rungs)) if fits[i] <= 1.0 - h], default=cur)
             # up only when two windows in a row allow it (a stall costs more than a lower density)
             self._up_candidates = (self._up_candidates + [up])[-2:] if up > cur else []
@@ -241,9 +310,11 @@ class Controller:
             reason = "communication exceeds the budget" if new > 0 or fits[0] <= 1.0 else \
                 "even the most conservative setting cannot hide communication"
         p, d = self.rungs[new]
-        why = "%s: link %.0f Mbit/s, compute %.0f ms, predicted step %.0f ms (%.2fx compute, target %.2fx)" % (
+        why = "%s: link %.0f Mbit/s, compute %.0f ms, predicted step %.0f ms (%.2fx compute, %s)" % (
             reason, est.bandwidth_bps / 1e6, 1000 * est.compute_s, 1000 * self.predict(est, p, d),
-            self.predict(est, p, d) / (p * est.compute_s), s.target)
+            self.predict(est, p, d) / (p * est.compute_s),
+            "target %.2fx" % s.target if s.objective == "step_time" else
+            "backlog %.2f" % (est.backlog_kappa * backlog_shape(d)))
         if batch_reason:
             why += "; " + batch_reason
         return self._decide(d, p, batch, why, est, self.predict(est, p, d))

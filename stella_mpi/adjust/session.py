@@ -134,7 +134,7 @@ class AdjustSession:
                    cpu_s=last["select_s"] + last["encode_s"] + last["decode_s"] + last["merge_s"],
                    exchange_s=last["exchange_s"], engine_s=last.get("engine_s", 0.0),
                    wan_bytes=max(last["wan_bytes_sent"], last["wan_bytes_received"]),
-                   wan_messages=last["wan_messages"])
+                   wan_messages=last["wan_messages"], residual_sq=last["residual_sq"], grad_sq=last["grad_sq"])
         self._sums += np.array([row[k] for k in ROW_FIELDS])
         self._timed += 1
         self._stats.annotate(step_s=step_s, compute_s=compute, idle_s=self._idle, optimizer_s=self._opt,

@@ -9,8 +9,15 @@ class AdjusterSettings:
     """What the user asks of the adjuster, passed to DistributedOptimizer (public name
     ``hvd.Adjuster``: the settings; :class:`.controller.Controller` takes the decisions).
 
-    min_density, max_density: bounds of the density of the cross-cluster exchange.
-    target: allowed step time as a multiple of compute time (forward + backward), > 1.
+    min_density, max_density: bounds of the density of the cross-cluster exchange (1: dense,
+        sent without indices).
+    objective: "time_to_loss" (default: the least time per sample weighted by the
+        error-feedback backlog, see :mod:`.controller`) or "step_time" (keep the step within
+        ``target`` times compute).
+    target: "step_time" only: allowed step time as a multiple of compute time (forward +
+        backward), > 1.
+    backlog_cost: "time_to_loss" only: the share of a step's progress one unit of the
+        residual-to-gradient norm ratio costs (calibrated on the byte-level LM).
     allow_accumulation: when even ``min_density`` cannot be hidden, raise
         backward_passes_per_step up to ``max_backward_passes`` (changes the effective batch:
         see DistributedOptimizer's docstring for the learning-rate rule).
@@ -22,8 +29,10 @@ class AdjusterSettings:
     levels_per_decade: density levels between min and max (geometric).
     """
     min_density: float = 1e-3
-    max_density: float = 0.1
+    max_density: float = 1.0
+    objective: str = "time_to_loss"
     target: float = 1.2
+    backlog_cost: float = 0.03
     allow_accumulation: bool = False
     max_backward_passes: int = 8
     batch_split: bool = False
@@ -41,6 +50,10 @@ class AdjusterSettings:
         if self.min_density > self.max_density:
             raise ValueError("Adjuster: min_density (%g) is larger than max_density (%g)"
                              % (self.min_density, self.max_density))
+        if self.objective not in ("time_to_loss", "step_time"):
+            raise ValueError("Adjuster: objective must be 'time_to_loss' or 'step_time', got %r" % (self.objective,))
+        if not (isinstance(self.backlog_cost, (int, float)) and self.backlog_cost >= 0):
+            raise ValueError("Adjuster: backlog_cost must be a number >= 0, got %r" % (self.backlog_cost,))
         if not self.target > 1.0:
             raise ValueError("Adjuster: target is a multiple of compute time and must be > 1, got %r" % self.target)
         if int(self.max_backward_passes) < 1:

@@ -21,6 +21,7 @@ class WanStats:
         self._residual_sq = 0.0
         self._grad_sq = 0.0
         self._last_ratio = None
+        self._last_norms = (0.0, 0.0)   # (residual, gradient) squared norms of the last closed step
         self._info = {}   # values that are set, not summed (the adjuster's timings and decision)
         self.steps = 0
 
@@ -50,6 +51,7 @@ class WanStats:
             self._last = self._current
             self._current = dict.fromkeys(COUNTERS, 0)
             self._last_ratio = (self._residual_sq / self._grad_sq) ** 0.5 if self._grad_sq > 0 else None
+            self._last_norms = (self._residual_sq, self._grad_sq)
             self._residual_sq = self._grad_sq = 0.0
             self.steps += 1
 
@@ -58,6 +60,7 @@ class WanStats:
             last = dict(self._last)
             last["density"] = last["entries_sent"] / last["elements"] if last["elements"] else None
             last["residual_norm_ratio"] = self._last_ratio
+            last["residual_sq"], last["grad_sq"] = self._last_norms
             last.update(self._info)
             out = {"steps": self.steps, "last_step": last, "total": dict(self._total)}
             return out

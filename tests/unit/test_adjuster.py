@@ -15,8 +15,9 @@ BYTES_PER_DENSITY = 60e6
 
 
 def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise=0.0, rng=None,
-         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1)):
-    """One window of telemetry rows as the plumbing would gather them."""
+         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1), kappa=1.0):
+    """One window of telemetry rows as the plumbing would gather them (the residual-to-gradient
+    norm ratio ``kappa * sqrt((1 - d) / d)``, 0 when dense)."""
     rng = rng or random.Random(0)
 
     def jit():
@@ -32,7 +33,8 @@ def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise
         vals = {"steps": 2, "step_s": step, "compute_s": comp, "idle_s": wire,
                 "optimizer_s": 0.01, "cpu_s": 0.02, "exchange_s": exch, "engine_s": fixed + exch,
                 "wan_bytes": BYTES_PER_DENSITY * density, "wan_messages": msgs, "latency_s": latency * jit(),
-                "batch": batch[r], "density": density, "passes": passes, "cluster": r // 2, "group": r % 2}
+                "batch": batch[r], "density": density, "passes": passes, "cluster": r // 2, "group": r % 2,
+                "grad_sq": 2.0, "residual_sq": 2.0 * kappa ** 2 * (1 - density) / density}
         out.append([float(vals[k]) for k in ROW_FIELDS])
     return out
 
@@ -47,7 +49,8 @@ def run(ctrl, bws, noise=0.0, seed=1, **kw):
 
 
 def settings(**kw):
-    base = dict(min_density=1e-3, max_density=0.1)
+    """The step-time objective's settings (the tests of the time-to-loss objective say so)."""
+    base = dict(min_density=1e-3, max_density=0.1, objective="step_time")
     base.update(kw)
     return Adjuster(**base)
 
@@ -174,6 +177,8 @@ def test_split_batch_properties():
     (dict(target=0.5), "target"),
     (dict(batch_split=True), "global_batch"),
     (dict(hysteresis=0.7), "hysteresis"),
+    (dict(objective="fastest"), "objective"),
+    (dict(backlog_cost=-1), "backlog_cost"),
 ])
 def test_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -186,11 +191,83 @@ def test_recorded_trace():
     and the density went both down and up."""
     with open(os.path.join(HERE, "..", "data", "adjuster_trace.json")) as f:
         trace = json.load(f)
-    ctrl = Controller(Adjuster(**trace["settings"]), overlap=trace["overlap"], density=trace["start_density"])
+    # recorded before there were objectives (its rows are shorter: no norms): the step-time one
+    ctrl = Controller(Adjuster(**dict({"objective": "step_time"}, **trace["settings"])), overlap=trace["overlap"],
+                      density=trace["start_density"])
     got = [ctrl.observe(w["rows"]).density for w in trace["windows"]]
     assert got == [w["decided_density"] for w in trace["windows"]]
     steps = list(zip(got, got[1:]))
     assert any(b < a for a, b in steps) and any(b > a for a, b in steps)
+
+
+def ttl(**kw):
+    """The time-to-loss objective (the default), from 0.1 % to dense."""
+    base = dict(min_density=1e-3, max_density=1.0)
+    base.update(kw)
+    return Adjuster(**base)
+
+
+def reference_choice(s, est, rungs):
+    """The rung a plain reading of the documented rule picks: least
+    step(d) * (1 + backlog_cost * kappa * sqrt((1 - d) / d))."""
+    def score(p, d):
+        wire = est.messages * est.latency_s + 8.0 * est.bytes_per_density * d / est.bandwidth_bps
+        step = p * est.compute_s + est.fixed_s + wire
+        return step / p * (1 + s.backlog_cost * est.backlog_kappa * ((1 - d) / d) ** 0.5)
+    return min(rungs, key=lambda r: score(*r))
+
+
+def test_time_to_loss_is_the_default_and_spans_to_dense():
+    s = Adjuster()
+    assert s.objective == "time_to_loss" and s.max_density == 1.0 and s.densities()[-1] == 1.0
+
+
+@pytest.mark.parametrize("bw", [20e6, 100e6, 1e9, 10e9])
+def test_time_to_loss_picks_the_least_score(bw):
+    s = ttl()
+    ctrl = Controller(s)
+    d = run(ctrl, [bw] * 12)[-1]
+    assert (d.passes, d.density) == reference_choice(s, d.estimate, ctrl.rungs) or \
+        ctrl.score(d.estimate, ctrl.rungs.index((d.passes, d.density))) <= \
+        ctrl.score(d.estimate, ctrl.rungs.index(reference_choice(s, d.estimate, ctrl.rungs))) / (1 - s.hysteresis / 2)
+
+
+def test_time_to_loss_dense_when_compute_dominates_sparse_when_the_link_is_slow():
+    fast = run(Controller(ttl()), [10e9] * 12)[-1]
+    assert fast.density == 1.0, fast
+    slow = run(Controller(ttl()), [5e6] * 12)[-1]
+    assert slow.density < 0.05, slow
+    assert "backlog" in slow.reason
+
+
+def test_time_to_loss_monotone_in_bandwidth_and_in_backlog():
+    bws = [5e6 * 1.6 ** i for i in range(16)]
+    got = [run(Controller(ttl()), [bw] * 10)[-1].density for bw in bws]
+    assert got == sorted(got) and got[0] < got[-1], got
+    # a larger measured backlog (kappa) never lowers the density chosen
+    for bw in (50e6, 200e6):
+        by_kappa = [run(Controller(ttl()), [bw] * 10, kappa=k)[-1].density for k in (0.25, 1.0, 4.0, 16.0)]
+        assert by_kappa == sorted(by_kappa), (bw, by_kappa)
+    # and the backlog is read from the rows: kappa fitted as measured
+    ctrl = Controller(ttl())
+    d = run(ctrl, [200e6] * 6, kappa=3.0)[-1]
+    assert abs(d.estimate.backlog_kappa - 3.0) < 1e-6
+
+
+def test_time_to_loss_stable_under_noise():
+    for bw in (30e6, 150e6, 600e6):
+        ctrl = Controller(ttl())
+        decisions = run(ctrl, [bw] * 200, noise=0.25, seed=int(bw))
+        changes = [i for i, d in enumerate(decisions) if d.changed and i >= 8]
+        assert len(changes) <= 2, (bw, changes)
+
+
+def test_rows_without_norms_still_decide():
+    """Rows of the older 16 fields (no norms): no backlog measured, kappa stays 1."""
+    ctrl = Controller(ttl())
+    for _ in range(4):
+        d = ctrl.observe([r[:16] for r in rows(200e6, ctrl.density)])
+    assert d.estimate.backlog_kappa == 1.0
 
 
 ADJUSTER_REFUSALS = r'''
