@@ -92,6 +92,12 @@ def main():
     p.add_argument("--target", type=float, default=1.2, help="adjuster: step time / compute time allowed")
     p.add_argument("--decisions-out", help="adapt modes: every rank writes its decisions and telemetry "
                                            "to this path + '.rank<N>'")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="train for this many seconds (the slowest rank's clock; evaluations not counted), "
+                        "at most --steps steps")
+    p.add_argument("--eval-seconds", type=float, default=0.0,
+                   help="training seconds between held-out evaluations recorded in 'curve' (0: at the end only)")
+    p.add_argument("--momentum-correction", action="store_true", help="stella sparse modes: DGC's momentum correction")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -121,13 +127,27 @@ def main():
                                            engine="cpu", staleness=1, model=model, adjuster=adjuster)
         else:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                           adjuster=adjuster)
+                                           adjuster=adjuster,
+                                           momentum_correction=args.momentum_correction and bool(comp_name))
         net = model
     vx, vy = task.validation()
-    records, reached = [], None
+
+    def held_out_loss():
+        if hvd and args.mode.startswith("cpu"):
+            opt.drain()   # the updates in flight into the model first
+        with torch.no_grad():
+            return MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size
+
+    records, reached, curve = [], None, []
     MPI.COMM_WORLD.Barrier()
     t0, t0_unix = time.perf_counter(), time.time()
     last = t0
+    paused = 0.0        # seconds spent evaluating, taken out of every clock below
+    next_eval = args.eval_seconds
+    if args.eval_seconds:
+        curve.append({"seconds": 0.0, "step": 0, "validation_loss": held_out_loss()})
+        paused = time.perf_counter() - t0
+        last = t0 + paused
     for step in range(1, args.steps + 1):
         x, y = task.next()
         opt.zero_grad()
@@ -144,17 +164,30 @@ def main():
         # this bookkeeping is counted in (~1 ms; more where it waits behind the CPU engine's MPI
         # traffic, which is then the engine's cost, not to be hidden)
         loss_sum, wan_all = MPI.COMM_WORLD.allreduce(np.array([loss.item(), wan], dtype=np.float64))
-        compute_max = MPI.COMM_WORLD.allreduce(compute, op=MPI.MAX)
-        records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": now - t0,
+        clocks = np.array([compute, now - t0 - paused])
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
+        compute_max, elapsed = float(clocks[0]), float(clocks[1])
+        records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": elapsed,
                         "compute_s": compute_max, "wan_bytes_rank": wan if hvd else None,
                         "wan_bytes_all": wan_all if hvd else None,
                         "density": st.get("adjust_density", st.get("density")),
                         "sent_density": st.get("density"),   # measured: entries sent / elements
+                        "residual_norm_ratio": st.get("residual_norm_ratio"),
                         "wan_bandwidth_bps": st.get("wan_bandwidth_bps")})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
-                reached = {"step": step, "elapsed_s": now - t0}
+                reached = {"step": step, "elapsed_s": elapsed}
                 break
+        over = bool(args.time_budget) and elapsed >= args.time_budget
+        if args.eval_seconds and (elapsed >= next_eval or over):
+            e0 = time.perf_counter()
+            curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
+            while next_eval <= elapsed:
+                next_eval += args.eval_seconds
+            paused += time.perf_counter() - e0
+            now = time.perf_counter()
+        if over:
+            break
         last = now
     if hvd and args.mode.startswith("cpu"):
         opt.drain()
@@ -163,11 +196,10 @@ def main():
             json.dump({"decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
                        "trace": list(opt._adjust.trace), "settings": vars(opt._adjust.settings),
                        "overlap": opt._adjust.controller.overlap, "start_density": opt._adjust.start_density}, f)
-    with torch.no_grad():
-        val = MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size
+    val = curve[-1]["validation_loss"] if curve and curve[-1]["step"] == len(records) else held_out_loss()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val,
+            json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val, "curve": curve,
                        "target_loss": args.target_loss, "window": args.window, "reached": reached,
                        "clusters": hvd.num_clusters() if hvd else None,
                        "parameters": sum(q.numel() for q in model.parameters()),

@@ -1,0 +1,173 @@
+"""Time to a target held-out loss at several WAN rates (issue 13's benchmark), in one command:
+
+    .venv/bin/python bench/bench_time_to_loss.py                         # 20 Mbit/s, 100 Mbit/s, 1 Gbit/s
+    .venv/bin/python bench/bench_time_to_loss.py --rates 100mbit --modes dense adapt --seconds 30
+
+For each rate (stellarun --wan RATE, 2 clusters of 2 ranks) and each mode it trains the byte-level
+LM of bench/e2e_train.py (same model, data, seed and initial weights, SGD with momentum) for the
+same --seconds of training wall-clock, evaluating the held-out loss every --eval-seconds
+(evaluation time not counted). Modes: "ddp" (torch DDP, gloo, flat), "dense" (stella_mpi's
+hierarchical allreduce), "d0.001", "d0.01", "d0.1" (stella's sparse route at that fixed
+density) and "adapt" (hvd.Adjuster between --min-density and --max-density). The sparse modes use
+--compressor (cache-aware by default) with error feedback.
+
+The target loss of a rate is --target-loss, or else the median of the final held-out losses of
+that rate's runs (at least half of the modes reach it). Time to the target is the training time
+of the first evaluation at or below it (so it is measured, at --eval-seconds resolution). Prints
+one table per rate with each mode's time to the target, its ratio to DDP's and to the best fixed
+density's; writes bench/results/time_to_loss.json and, with matplotlib, time_to_loss.png (held-out
+loss against training time, one panel per rate).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+FIXED = ("d0.001", "d0.01", "d0.1")
+MODES = ("ddp", "dense") + FIXED + ("adapt",)
+
+
+def run_one(rate, mode, args, tmp):
+    out = os.path.join(tmp, "%s_%s.json" % (rate, mode))
+    stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    if mode in ("ddp", "dense"):
+        how = ["--mode", mode]
+    elif mode == "adapt":
+        how = ["--mode", "adapt:" + args.compressor, "--density", "0.01", "--min-density", str(args.min_density),
+               "--max-density", str(args.max_density)]
+    else:
+        how = ["--mode", "sparse:" + args.compressor, "--density", mode[1:]]
+    cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
+           os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
+           "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
+           "--out", out] + how
+    if args.momentum_correction and mode not in ("ddp", "dense"):
+        cmd.append("--momentum-correction")
+    print("  %s %s ..." % (rate, mode), end="", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)
+    if proc.returncode != 0:
+        print(" failed")
+        return {"error": (proc.stdout + proc.stderr)[-3000:], "command": " ".join(cmd)}
+    with open(out) as f:
+        res = json.load(f)
+    res["command"] = " ".join(["stellarun"] + cmd[1:])
+    steps = len(res["records"])
+    print(" %d steps, held-out loss %.4f" % (steps, res["validation_loss"]), flush=True)
+    return res
+
+
+def time_to(curve, target):
+    for point in curve:
+        if point["validation_loss"] <= target:
+            return point["seconds"]
+    return None
+
+
+def summarize(runs, target_loss):
+    """Per rate: the target and each mode's time to it, step time, WAN bytes and ratios."""
+    table = {}
+    for rate, modes in runs.items():
+        finals = [r["validation_loss"] for r in modes.values() if "error" not in r]
+        target = target_loss if target_loss is not None else statistics.median(finals)
+        rows = {}
+        for mode, r in modes.items():
+            if "error" in r:
+                rows[mode] = {"error": True}
+                continue
+            recs = r["records"]
+            rows[mode] = {"time_to_target_s": time_to(r["curve"], target), "final_loss": r["validation_loss"],
+                          "steps": len(recs), "ms_per_step": 1000 * recs[-1]["elapsed_s"] / len(recs),
+                          "wan_mb_per_step": statistics.mean((x["wan_bytes_rank"] or 0) for x in recs) / 1e6
+                          if recs[0]["wan_bytes_rank"] is not None else None,
+                          "densities": sorted({x["density"] for x in recs if x["density"] is not None})}
+        fixed = [rows[m]["time_to_target_s"] for m in FIXED if m in rows and rows[m].get("time_to_target_s")]
+        best_fixed = min(fixed) if fixed else None
+        ddp = rows.get("ddp", {}).get("time_to_target_s")
+        for row in rows.values():
+            t = row.get("time_to_target_s")
+            row["vs_ddp"] = (ddp / t) if (t and ddp) else None             # > 1: sooner than DDP
+            row["vs_best_fixed"] = (t / best_fixed) if (t and best_fixed) else None   # <= 1: no later
+        table[rate] = {"target_loss": target, "best_fixed_s": best_fixed, "modes": rows}
+    return table
+
+
+def print_table(table, seconds):
+    for rate, t in table.items():
+        print("\n=== WAN %s: target held-out loss %.4f (%g s of training per mode) ===" % (rate, t["target_loss"],
+                                                                                        seconds))
+        print("%-7s %8s %8s %10s %10s %12s %10s %14s" % ("mode", "steps", "ms/step", "WAN MB/st", "final loss",
+                                                        "to target", "DDP/this", "this/best fix"))
+        for mode, row in t["modes"].items():
+            if row.get("error"):
+                print("%-7s failed" % mode)
+                continue
+            tt = row["time_to_target_s"]
+            print("%-7s %8d %8.1f %10s %10.4f %12s %10s %14s" % (
+                mode, row["steps"], row["ms_per_step"],
+                "%.3f" % row["wan_mb_per_step"] if row["wan_mb_per_step"] is not None else "-", row["final_loss"],
+                "%.1f s" % tt if tt is not None else "not reached",
+                "%.2fx" % row["vs_ddp"] if row["vs_ddp"] else "-",
+                "%.2f" % row["vs_best_fixed"] if row["vs_best_fixed"] else "-"))
+
+
+def plot(runs, table, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), dpi=110, squeeze=False)
+    for ax, (rate, modes) in zip(axes[0], runs.items()):
+        for mode, r in modes.items():
+            if "error" not in r:
+                ax.plot([p["seconds"] for p in r["curve"]], [p["validation_loss"] for p in r["curve"]],
+                        marker="o", markersize=2, label=mode)
+        ax.axhline(table[rate]["target_loss"], color="grey", lw=0.8, ls="--")
+        ax.set_title("WAN %s" % rate)
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("held-out loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", nargs="+", default=["20mbit", "100mbit", "1gbit"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--seconds", type=float, default=40.0, help="training wall-clock of each run")
+    p.add_argument("--eval-seconds", type=float, default=2.0)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--compressor", default="cacheaware")
+    p.add_argument("--momentum-correction", action="store_true", help="sparse modes with DGC's momentum correction")
+    p.add_argument("--min-density", type=float, default=1e-3)
+    p.add_argument("--max-density", type=float, default=1.0)
+    p.add_argument("--target-loss", type=float)
+    p.add_argument("--out", default=os.path.join(RESULTS, "time_to_loss.json"))
+    args = p.parse_args()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.rates:
+            runs[rate] = {mode: run_one(rate, mode, args, tmp) for mode in args.modes}
+    table = summarize(runs, args.target_loss)
+    print_table(table, args.seconds)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "settings": vars(args),
+                   "table": table, "runs": runs}, f)
+    png = plot(runs, table, os.path.splitext(args.out)[0] + ".png")
+    print("\nwrote %s%s" % (args.out, (" and " + png) if png else ""))
+
+
+if __name__ == "__main__":
+    main()
