@@ -38,5 +38,6 @@ from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMism
 from .compression import Compression  # noqa: F401,E402
 from .core.process_sets import ProcessSet, global_process_set  # noqa: F401,E402
 from .optim.factory import DistributedOptimizer  # noqa: F401,E402
+from .optim.local_steps import LocalSteps  # noqa: F401,E402
 
 __version__ = "0.1.0"

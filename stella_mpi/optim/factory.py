@@ -2,6 +2,8 @@
 (:mod:`.synchronous`) or the CPU engine (:mod:`.cpu_engine`)."""
 import warnings
 
+import torch
+
 from ..adjust.settings import AdjusterSettings
 from ..api.reduce_ops import Adasum, Average
 from ..compression import Compression
@@ -9,6 +11,7 @@ from ..core import state
 from ..core.process_sets import global_process_set
 from .adasum import _DistributedAdasumOptimizer
 from .cpu_engine import make_cpu_engine_optimizer
+from .local_steps import LocalSteps, LocalStepsMixin, cluster_process_set
 from .synchronous import _DistributedOptimizer
 
 
@@ -16,7 +19,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
                          cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
-                         stale_prediction=None, momentum_correction=False, density_warmup=0, dense_below=0):
+                         stale_prediction=None, momentum_correction=False, density_warmup=0, dense_below=0,
+                         local_steps=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -46,7 +50,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     already follows the linear scaling rule (lr x passes on the mean gradient of the larger
     batch); if your loss is divided by the number of passes, multiply lr by it yourself.
     With ``batch_split=True`` read ``opt.local_batch_size()`` each step and weight this rank's
-    loss by ``local_batch_size * size() / global_batch`` so the average stays a sample mean."""
+    loss by ``local_batch_size * size() / global_batch`` so the average stays a sample mean.
+
+    ``local_steps=hvd.LocalSteps(every=H, outer="average" | "nesterov")``: gradients are averaged
+    inside each cluster at every step and the clusters exchange the pseudo-gradient (parameters at
+    the last exchange minus now) every H steps, through ``compression``, applied by the outer
+    optimizer (optim/local_steps.py)."""
     state.current("hvd.DistributedOptimizer")
     if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
         raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
@@ -62,6 +71,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "(engine=None, op Average or Sum)")
     if momentum_correction and op == Adasum:
         raise ValueError("momentum_correction applies to the sparse route (op Average or Sum)")
+    if local_steps is not None:
+        return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                      gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
+                                      adjuster, momentum_correction, density_warmup, dense_below, local_steps)
     if engine == "cpu":
         if op != Average or backward_passes_per_step != 1 or gradient_predivide_factor != 1.0:
             raise ValueError("engine='cpu' averages one backward pass per step: op=Average, "
@@ -87,3 +100,34 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction,
                density_warmup, dense_below)
+
+
+def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, groups, sparse_as_dense, process_set, engine, adjuster,
+                           momentum_correction, density_warmup, dense_below, local_steps):
+    what = "DistributedOptimizer(local_steps=...)"
+    if not isinstance(local_steps, LocalSteps):
+        raise ValueError("%s: pass an hvd.LocalSteps(every=...), not %r" % (what, type(local_steps).__name__))
+    if engine is not None:
+        raise ValueError("%s: the CPU engine keeps its master copy in shards over the ranks of every cluster, "
+                         "which a step inside one cluster cannot update; use engine=None" % what)
+    if op != Average:
+        raise ValueError("%s averages pseudo-gradients: op must be hvd.Average" % what)
+    if process_set is not global_process_set:
+        raise ValueError("%s runs over the global process set (its clusters are the local groups)" % what)
+    for name, value in (("adjuster", adjuster), ("momentum_correction", momentum_correction),
+                        ("density_warmup", density_warmup), ("dense_below", dense_below)):
+        if value:
+            raise ValueError("%s: %s applies to the gradient route, not to local steps" % (what, name))
+    if getattr(compression, "sparse", False):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.dtype != torch.float32:
+                    raise ValueError("%s: a sparse compression takes float32 parameters, got %s" % (what, p.dtype))
+    cluster = cluster_process_set()
+    cls = type(optimizer.__class__.__name__, (LocalStepsMixin, _DistributedOptimizer, optimizer.__class__), {})
+    cls._stella_base_class = optimizer.__class__
+    opt = cls(optimizer.param_groups, named_parameters, Compression.none, backward_passes_per_step, op,
+              gradient_predivide_factor, groups, sparse_as_dense, cluster)
+    opt._init_local_steps(local_steps, compression)
+    return opt

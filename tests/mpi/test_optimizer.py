@@ -253,3 +253,77 @@ def test_momentum_correction_keeps_uncorrected_groups_and_skipped_steps_as_they_
     assert set(opt._mc.velocity) == set(velocity)
     for k, v in velocity.items():
         assert torch.equal(opt._mc.velocity[k], v), k
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def _train_with(make_opt, steps, after_step=None):
+    model = _model()
+    opt = make_opt(model)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step(step, model, opt)
+    return model, opt
+
+
+@pytest.mark.parametrize("compression", ["none", "topk1"])
+def test_local_steps_every_step_averaged_is_synchronous_training(compression):
+    """hvd.LocalSteps(every=1, outer="average") with no loss in the exchange (none, or a sparse
+    compressor at density 1) is synchronous momentum SGD: the mean of the clusters' velocities
+    is the velocity of the mean gradient."""
+    comp = hvd.Compression.none if compression == "none" else hvd.Compression.topk(density=1.0)
+    ref, _ = _train_with(lambda m: hvd.DistributedOptimizer(_sgd(m), named_parameters=m.named_parameters()), 6)
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(), compression=comp,
+        local_steps=hvd.LocalSteps(every=1, outer="average")), 6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+    assert opt._ls.exchanges == 6
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_local_steps_clusters_drift_apart_and_meet_every_h_steps(outer):
+    topo = hvd.global_process_set.topology
+    seen = []
+
+    def check(step, model, opt):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = hvd.allgather(flat.unsqueeze(0))
+        mates = topo.cluster_members[topo.cluster_id]
+        assert all(torch.equal(everyone[r], flat) for r in mates)   # one model per cluster, always
+        if (step + 1) % 3 == 0:
+            assert all(torch.equal(everyone[r], flat) for r in range(hvd.size())), step   # met
+        else:
+            seen.append(any(not torch.equal(everyone[r], flat) for r in range(hvd.size())))
+
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(), compression=hvd.Compression.topk(density=0.3),
+        local_steps=hvd.LocalSteps(every=3, outer=outer, outer_lr=0.7, outer_momentum=0.9)), 7, check)
+    if topo.num_clusters > 1:
+        assert any(seen), "the clusters never trained apart between exchanges"
+    saved = opt.state_dict()["stella_local_steps"]
+    assert saved["exchanges"] == 2 and saved["local_steps"] == 1
+    assert set(saved["anchor"]) == {n for n, _ in model.named_parameters()}
+    assert bool(saved["momentum"]) == (outer == "nesterov")
+    opt.load_state_dict(opt.state_dict())
+    assert opt._ls.exchanges == 2
+
+
+def test_local_steps_refusals():
+    model = _model()
+    ls = hvd.LocalSteps(every=2)
+    for kw, match in ((dict(engine="cpu"), "CPU engine"), (dict(op=hvd.Sum), "op must be"),
+                      (dict(compression=hvd.Compression.topk(0.1), adjuster=hvd.Adjuster()), "adjuster")):
+        with pytest.raises(ValueError, match=match):
+            hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), local_steps=ls, **kw)
+    for bad, match in ((dict(every=0), "every"), (dict(every=2, outer="adam"), "outer"),
+                       (dict(every=2, outer_momentum=1.0), "outer_momentum")):
+        with pytest.raises(ValueError, match=match):
+            hvd.LocalSteps(**bad)

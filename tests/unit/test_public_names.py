@@ -7,7 +7,7 @@ from mpi_launch import ROOT
 
 PUBLIC = {
     "Adasum", "Adjuster", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
+    "HostsUpdatedInterrupt", "LocalSteps", "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
     "TensorMismatchError", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
