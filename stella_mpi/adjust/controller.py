@@ -136,8 +136,9 @@ def sample_from_rows(rows, overlap):
     backlog = None   # rows recorded before the norms were gathered are shorter
     if len(rows[0]) == len(ROW_FIELDS) and density < 1.0:
         grad = sum(r[F["grad_sq"]] for r in rows)
-        if grad > 0:
-            backlog = math.sqrt(sum(r[F["residual_sq"]] for r in rows) / grad)
+        res = sum(r[F["residual_sq"]] for r in rows)
+        if grad > 0 and res > 0:   # no residual below density 1: no error feedback, nothing measured
+            backlog = math.sqrt(res / grad)
     return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
             "bytes": nbytes, "exchange_s": secs, "bytes_per_density": nbytes / density,
             "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog}
@@ -201,6 +202,7 @@ class Controller:
     passes: int = 1
     batch: Optional[Tuple[int, ...]] = None
     history: list = field(default_factory=list)
+    kappa: float = 1.0   # the backlog's scale: the last one measured (1 before any)
     _up_candidates: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -233,8 +235,10 @@ class Controller:
         wire_now = [overhead + 8.0 * h["bytes"] / bw for h in recent]
         fixed = _median([max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)])
         kappas = [h["backlog"] / backlog_shape(h["density"]) for h in recent if h.get("backlog") is not None]
+        if kappas:   # kept: at the dense rung nothing is measured, and forgetting it would oscillate
+            self.kappa = _median(kappas)
         return Estimate(compute_s=_median([h["compute_s"] for h in recent]), fixed_s=fixed,
-                        backlog_kappa=_median(kappas) if kappas else 1.0,
+                        backlog_kappa=self.kappa,
                         latency_s=overhead / msgs if msgs else lat, messages=msgs,
                         bytes_per_density=_median([h["bytes_per_density"] for h in recent]), bandwidth_bps=bw,
                         wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
@@ -262,19 +266,21 @@ class Controller:
         return self.predict(est, p, d) / p * (1.0 + self.settings.backlog_cost * backlog)
 
     def _choose_by_score(self, est, cur):
+        """The best rung overall, if it beats the current one by the dead band; up by half a
+        decade at most per decision (a payload far above the measured ones is an
+        extrapolation: tiny payloads say little about the bandwidth, so the link is measured on
+        the way up), and only when two windows in a row agree."""
         h = self.settings.hysteresis
-        # up by half a decade at most: a payload far above the measured ones is an extrapolation
-        # (tiny payloads say little about the bandwidth), so the link is measured on the way up
-        reach = min(len(self.rungs), cur + 1 + max(1, int(self.settings.levels_per_decade) // 2))
-        scores = [self.score(est, i) for i in range(reach)]
-        best = min(range(reach), key=lambda i: (scores[i], -i))
+        scores = [self.score(est, i) for i in range(len(self.rungs))]
+        best = min(range(len(self.rungs)), key=lambda i: (scores[i], -i))
         if scores[best] >= (1.0 - h / 2) * scores[cur]:
             self._up_candidates = []
             return cur, "steady"
         if best < cur:
             self._up_candidates = []
             return best, "a lower density reaches the loss sooner"
-        self._up_candidates = (self._up_candidates + [best])[-2:]
+        step = max(1, int(self.settings.levels_per_decade) // 2)
+        self._up_candidates = (self._up_candidates + [min(best, cur + step)])[-2:]
         if len(self._up_candidates) < 2:
             return cur, "steady"
         new = min(self._up_candidates)

@@ -104,6 +104,11 @@ class AdjustSession:
         if self._t_enter is not None:
             self._idle_inside += seconds
 
+    def exclude(self, seconds):
+        """Leave ``seconds`` spent outside training (an evaluation) out of the next step's time."""
+        if self._t_end is not None:
+            self._t_end += seconds
+
     def optimizer_time(self, seconds):
         self._opt += seconds
 
@@ -135,7 +140,9 @@ class AdjustSession:
                    exchange_s=last["exchange_s"], engine_s=last.get("engine_s", 0.0),
                    wan_bytes=max(last["wan_bytes_sent"], last["wan_bytes_received"]),
                    wan_messages=last["wan_messages"], residual_sq=last["residual_sq"], grad_sq=last["grad_sq"])
-        self._sums += np.array([row[k] for k in ROW_FIELDS])
+        values = np.array([row[k] for k in ROW_FIELDS], dtype=np.float64)
+        values[~np.isfinite(values)] = 0.0   # a NaN gradient's norm must not end the job at the gather
+        self._sums += values
         self._timed += 1
         self._stats.annotate(step_s=step_s, compute_s=compute, idle_s=self._idle, optimizer_s=self._opt,
                              backward_passes=passes)

@@ -75,6 +75,9 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     step, so that every rank has the same tensors to overwrite."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    extra = getattr(optimizer, "_stella_sync_state", None)
+    if extra is not None:   # state of stella's own outside torch's per-parameter state (local steps)
+        extra(root_rank)
     base = getattr(optimizer, "_stella_base_class", None)
     state_dict = optimizer.state_dict()
     if not state_dict["state"]:

@@ -231,7 +231,8 @@ def dense_rung(hier, piece, comp, memory, key, comm):
     so the adjuster keeps learning the link from it."""
     res = memory.get(key) if memory is not None else None
     if res is not None:
-        piece.add_(res.to(piece.device))
+        if res.numel() == piece.numel():   # (a name reused with another size starts afresh)
+            piece.add_(res.to(piece.device))
         memory.reset(key)
     grad_sq = float(torch.dot(piece, piece))
     wire = None if comp.value_dtype == "float32" else getattr(torch, comp.value_dtype)

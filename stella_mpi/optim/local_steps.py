@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
+from ..api.functions import broadcast_object
 from ..api.handles import synchronize
+from ..api.queries import rank
 from ..api.reduce_ops import Average
 from ..core import state
 from ..core.process_sets import ProcessSet, global_process_set
@@ -92,11 +94,20 @@ class LocalStepsState:
                 "anchor": {n: t.clone() for n, t in self.anchor.items()},
                 "momentum": {n: t.clone() for n, t in self.momentum.items()}}
 
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd, named):
+        """Load ``sd`` for the parameters ``named`` [(name, parameter)]: tensors moved to each
+        parameter's device and dtype (as torch's optimizers do), names checked."""
+        params = dict(named)
+        for what in ("anchor", "momentum"):
+            unknown = sorted(set(sd[what]) - set(params))
+            if unknown or (what == "anchor" and sd[what] and set(sd[what]) != set(params)):
+                raise ValueError("LocalSteps state: %s names %s, the optimizer's parameters are %s"
+                                 % (what, unknown or sorted(sd[what]), sorted(params)))
         self.local_steps = int(sd["local_steps"])
         self.exchanges = int(sd["exchanges"])
-        self.anchor = {n: t.clone() for n, t in sd["anchor"].items()}
-        self.momentum = {n: t.clone() for n, t in sd["momentum"].items()}
+        self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
+        self.momentum = {n: t.detach().to(params[n].device, params[n].dtype).clone()
+                         for n, t in sd["momentum"].items()}
 
 
 def cluster_process_set():
@@ -165,7 +176,16 @@ class LocalStepsMixin:
         return out
 
     def load_state_dict(self, state_dict):
-        if "stella_local_steps" in state_dict:
-            state_dict = dict(state_dict)
-            self._ls.load_state_dict(state_dict.pop("stella_local_steps"))
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("stella_local_steps", None)
+        if saved is not None:
+            self._ls.load_state_dict(saved, self._ls_named)
+        else:   # a checkpoint without local steps: a new period starts from the loaded parameters
+            self._ls = LocalStepsState(self._ls.settings)
         return super().load_state_dict(state_dict)
+
+    def _stella_sync_state(self, root_rank):
+        """broadcast_optimizer_state: ``root_rank``'s local-steps state on every rank (the
+        counters decide when the clusters meet, so they must agree)."""
+        mine = self._ls.state_dict() if rank() == root_rank else None
+        self._ls.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"), self._ls_named)

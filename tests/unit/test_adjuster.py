@@ -262,6 +262,30 @@ def test_time_to_loss_stable_under_noise():
         assert len(changes) <= 2, (bw, changes)
 
 
+def test_time_to_loss_climbs_to_the_best_rung_half_a_decade_at_a_time():
+    """From 1 % on a fast link the best rung (dense) is far: the controller climbs there, at
+    most half a decade per decision, and stays (the backlog measured below dense is kept at the
+    dense rung, where nothing is measured)."""
+    s = ttl()
+    ctrl = Controller(s, density=0.01)
+    ds = [d.density for d in run(ctrl, [10e9] * 40, kappa=16.0)]
+    assert ds[-1] == 1.0, ds
+    levels = s.densities()
+    for a, b in zip(ds, ds[1:]):
+        assert levels.index(b) - levels.index(a) <= s.levels_per_decade // 2, ds
+    first = ds.index(1.0)
+    assert set(ds[first:]) == {1.0}, ds          # no oscillation once there
+    assert ctrl.kappa == pytest.approx(16.0)
+
+
+def test_without_error_feedback_nothing_is_measured():
+    """No residual below density 1 (error_feedback=False): no backlog measurement, so the prior
+    kappa stays instead of sparsity looking free."""
+    ctrl = Controller(ttl())
+    d = run(ctrl, [200e6] * 6, kappa=0.0)[-1]
+    assert d.estimate.backlog_kappa == 1.0
+
+
 def test_rows_without_norms_still_decide():
     """Rows of the older 16 fields (no norms): no backlog measured, kappa stays 1."""
     ctrl = Controller(ttl())
