@@ -1,6 +1,7 @@
 """Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
 byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
 (top-k and cache-aware at 1 %, momentum correction, masking, density warm-up, dense small tensors,
+local gradient clipping (--local-clip, the global max norm),
 the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
 
     .venv/bin/python bench/bench_parity.py                                 # the convergence test's setting
@@ -32,6 +33,9 @@ VARIANTS = {   # name: train_horovod.py options
     "cacheaware+mc+warmup50": ["--compression", "cacheaware", "--momentum-correction", "on", "--density-warmup", "50"],
     "cacheaware+mc+dense_below1600": ["--compression", "cacheaware", "--momentum-correction", "on",
                                       "--dense-below", "1600"],
+    "topk+clip": ["--compression", "topk", "--local-clip", "CLIP"],
+    "topk+mc+clip": ["--compression", "topk", "--momentum-correction", "on", "--local-clip", "CLIP"],
+    "cacheaware+mc+clip": ["--compression", "cacheaware", "--momentum-correction", "on", "--local-clip", "CLIP"],
     "cpu0:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"],
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
     "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],
@@ -46,7 +50,8 @@ def run(name, args, tmp):
     cmd = [stellarun, "-np", "4", "--clusters", "2", "--timeout", "300", sys.executable,
            os.path.join(ROOT, "examples", "train_horovod.py"), "--steps", str(args.steps), "--log-every",
            str(args.steps), "--hidden", str(args.hidden), "--optimizer", "sgd", "--lr", str(args.lr), "--density",
-           str(args.density), "--seed", str(args.seed), "--json-out", out] + VARIANTS[name]
+           str(args.density), "--seed", str(args.seed), "--json-out", out] + [
+               str(args.local_clip) if a == "CLIP" else a for a in VARIANTS[name]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit("%s failed:\n%s" % (name, (proc.stdout + proc.stderr)[-3000:]))
@@ -61,6 +66,7 @@ def main():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-clip", type=float, default=0.5, help="the +clip variants' global max norm (local_clip)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default=os.path.join(HERE, "results", "parity.json"))
     args = p.parse_args()

@@ -46,6 +46,9 @@ def main():
                         help="tensors of fewer elements go dense; the others' density keeps the bytes")
     parser.add_argument("--momentum-correction", choices=["off", "on", "masking"], default="off",
                         help="DGC's momentum correction on the sparse route (SGD with momentum)")
+    parser.add_argument("--local-clip", type=float, default=None,
+                        help="DGC's local gradient clipping: each rank's gradient to norm C / sqrt(size) before the "
+                             "reduction")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="train for this many seconds of wall-clock instead of --steps (evaluations not counted)")
     parser.add_argument("--eval-every", type=int, default=0,
@@ -86,7 +89,8 @@ def main():
         mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, momentum_correction=mc,
-                                             density_warmup=args.density_warmup, dense_below=args.dense_below)
+                                             density_warmup=args.density_warmup, dense_below=args.dense_below,
+                                             local_clip=args.local_clip)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())

@@ -20,7 +20,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          sparse_as_dense=False, process_set=global_process_set, engine=None, staleness=0,
                          cpu_semantics="exact", model=None, adjuster=None, staleness_warmup=0,
                          stale_prediction=None, momentum_correction=False, density_warmup=0, dense_below=0,
-                         local_steps=None):
+                         local_steps=None, local_clip=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks
     (Horovod's signature and behaviour). The returned object is an instance of a subclass of
     ``type(optimizer)`` built from its param groups (its state starts empty).
@@ -39,7 +39,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     momentum factor masking. ``density_warmup=N``: the sparse route's density falls geometrically
     from 25 % to the compressor's over the first N steps (DGC's warm-up). ``dense_below=N``: tensors
     of fewer than N elements are reduced densely and the large ones get the density that keeps the
-    bytes of a step what the compressor alone would send.
+    bytes of a step what the compressor alone would send. ``local_clip=C``: DGC's local gradient
+    clipping, each rank's gradient clipped to norm C / sqrt(size) before the reduction (so before
+    error feedback accumulates it); buckets then leave at synchronize() instead of during backward.
 
     ``adjuster=hvd.Adjuster(min_density=..., max_density=...)`` (with a sparse ``compression``)
     re-tunes the density of the cross-cluster exchange from the measured bandwidth, on every
@@ -69,6 +71,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if (density_warmup or dense_below) and (engine is not None or op == Adasum):
         raise ValueError("density_warmup and dense_below apply to the synchronous optimizer's sparse route "
                          "(engine=None, op Average or Sum)")
+    if local_clip is not None and (engine is not None or op == Adasum or local_steps is not None):
+        raise ValueError("local_clip applies to the synchronous optimizer's reduction (engine=None, op Average or "
+                         "Sum, no local_steps)")
     if momentum_correction and op == Adasum:
         raise ValueError("momentum_correction applies to the sparse route (op Average or Sum)")
     if local_steps is not None:
@@ -99,7 +104,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls._stella_base_class = optimizer.__class__
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction,
-               density_warmup, dense_below)
+               density_warmup, dense_below, local_clip)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

@@ -38,7 +38,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster=None,
-                 momentum_correction=False, density_warmup=0, dense_below=0):
+                 momentum_correction=False, density_warmup=0, dense_below=0, local_clip=None):
         super().__init__(params)
         self._compression = compression
         self._sparse = bool(getattr(compression, "sparse", False))
@@ -79,6 +79,11 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             raise ValueError("dense_below is a number of elements >= 0 for a sparse compression")
         if self._dense_below:
             compression = self._compression = self._budgeted(self._compression)
+        self._local_clip = None
+        if local_clip is not None:
+            if isinstance(local_clip, bool) or not isinstance(local_clip, (int, float)) or not local_clip > 0:
+                raise ValueError("local_clip is the global max norm (a number > 0), got %r" % (local_clip,))
+            self._local_clip = float(local_clip)
         self._mc, self._mc_groups, self._mc_this_step = None, {}, False
         if momentum_correction:
             self._mc = MomentumCorrectionState(masking=momentum_correction == "masking")
@@ -147,6 +152,27 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
         if self._mc is not None:
             out["stella_momentum_correction"] = self._mc.state_dict()
         return out
+
+    def _grad_final(self, p):
+        if self._local_clip is None:
+            return super()._grad_final(p)
+        self._bucket_of[p].pending.discard(p)   # all buckets go at synchronize(), once the norm is known
+
+    def _clip_locally(self):
+        """DGC's local gradient clipping: this rank's gradient is scaled to a norm of at most
+        ``local_clip / sqrt(size)`` before it enters the reduction (and so the residual). A
+        non-finite norm is left alone: the non-finite check refuses the step."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().to_dense()
+                                                                              if g.is_sparse else g.detach())
+                                                     for g in grads]))
+        limit = self._local_clip / self._process_set.size() ** 0.5
+        if bool(torch.isfinite(norm)) and float(norm) > limit:
+            coef = limit / (float(norm) + 1e-6)
+            for g in grads:
+                g.mul_(coef)
 
     def _on_grad_ready(self, p):
         if self._passes[p] <= 0:
@@ -237,6 +263,8 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             return
         if self._adjust is not None:
             self._adjust.enter()
+        if self._local_clip is not None:
+            self._clip_locally()
         self._launch_remaining()
         refused = []
         masked = []   # momentum correction: parameters that went the sparse way (masking applies to them)

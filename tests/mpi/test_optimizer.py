@@ -312,8 +312,49 @@ def test_local_steps_clusters_drift_apart_and_meet_every_h_steps(outer):
     assert saved["exchanges"] == 2 and saved["local_steps"] == 1
     assert set(saved["anchor"]) == {n for n, _ in model.named_parameters()}
     assert bool(saved["momentum"]) == (outer == "nesterov")
-    opt.load_state_dict(opt.state_dict())
-    assert opt._ls.exchanges == 2
+    # a fresh optimizer restored from the checkpoint holds the same local-steps state
+    fresh = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                     local_steps=hvd.LocalSteps(every=3, outer=outer))
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh._ls.exchanges == 2 and fresh._ls.local_steps == 1
+    for name, t in saved["anchor"].items():
+        assert torch.equal(fresh._ls.anchor[name], t)
+
+
+def test_local_steps_state_follows_broadcast_optimizer_state():
+    """Horovod's resume pattern: rank 0 loads a checkpoint and broadcasts; the local-steps
+    counters, anchor and outer momentum come along (else the clusters would meet at different
+    steps)."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   local_steps=hvd.LocalSteps(every=4, outer="nesterov"))
+    if hvd.rank() == 0:
+        opt._ls.local_steps, opt._ls.exchanges = 2, 7
+        opt._ls.anchor = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+        opt._ls.momentum = {n: torch.full_like(p, 0.25) for n, p in model.named_parameters()}
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert (opt._ls.local_steps, opt._ls.exchanges) == (2, 7)
+    assert all(bool((t == 0.5).all()) for t in opt._ls.anchor.values())
+    assert all(bool((t == 0.25).all()) for t in opt._ls.momentum.values())
+
+
+def test_local_steps_nesterov_matches_a_reference():
+    """DiLoCo's outer step against its formula. Averaging and Nesterov runs share their local
+    steps, so the averaging run's result gives the exchanged mean: avg = anchor - p_average; after
+    the first period m = avg and p = anchor - lr (avg + mu m)."""
+    lr, mu = 0.7, 0.9
+    anchor = [p.detach().clone() for p in _model().parameters()]
+
+    def run(outer, steps):
+        return _train_with(lambda m: hvd.DistributedOptimizer(
+            _sgd(m), named_parameters=m.named_parameters(),
+            local_steps=hvd.LocalSteps(every=2, outer=outer, outer_lr=lr, outer_momentum=mu)), steps)[0]
+
+    avg_model, nes_model = run("average", 2), run("nesterov", 2)
+    for a, pa, pn in zip(anchor, avg_model.parameters(), nes_model.parameters()):
+        avg = a - pa.detach()
+        torch.testing.assert_close(pn.detach(), a - lr * (avg + mu * avg), rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(nes_model)
 
 
 def test_local_steps_refusals():
@@ -327,3 +368,33 @@ def test_local_steps_refusals():
                        (dict(every=2, outer_momentum=1.0), "outer_momentum")):
         with pytest.raises(ValueError, match=match):
             hvd.LocalSteps(**bad)
+
+
+@pytest.mark.parametrize("compression", ["none", "topk1"])
+def test_local_clip_clips_each_rank_before_the_reduction(compression):
+    """DGC's local gradient clipping: each rank's gradient is clipped to norm C / sqrt(size)
+    before the reduction; against a one-process reference doing exactly that."""
+    n, clip, lr = hvd.size(), 0.05, 0.1
+    ref = _model()
+    for step in range(3):
+        total = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(n):
+            ref.zero_grad()
+            x, y = _batch(r, step)
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip / n ** 0.5)
+            for t, p in zip(total, ref.parameters()):
+                t.add_(p.grad)
+        with torch.no_grad():
+            for t, p in zip(total, ref.parameters()):
+                p.sub_(lr * t / n)
+    comp = hvd.Compression.none if compression == "none" else hvd.Compression.topk(density=1.0)
+    model, _ = _train_with(lambda m: hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=lr), named_parameters=m.named_parameters(), compression=comp,
+        local_clip=clip), 3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+    with pytest.raises(ValueError, match="local_clip"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters(),
+                                 local_clip=-1.0)
