@@ -1,15 +1,20 @@
 """Time to a target held-out loss at several WAN rates (issue 13's benchmark), in one command:
 
     .venv/bin/python bench/bench_time_to_loss.py                         # 20 Mbit/s, 100 Mbit/s, 1 Gbit/s
+    .venv/bin/python bench/bench_time_to_loss.py --preset 14             # low-communication modes, torch's peers
     .venv/bin/python bench/bench_time_to_loss.py --rates 100mbit --modes dense adapt --seconds 30
 
 For each rate (stellarun --wan RATE, 2 clusters of 2 ranks) and each mode it trains the byte-level
 LM of bench/e2e_train.py (same model, data, seed and initial weights, SGD with momentum) for the
 same --seconds of training wall-clock, evaluating the held-out loss every --eval-seconds
-(evaluation time not counted). Modes: "ddp" (torch DDP, gloo, flat), "dense" (stella_mpi's
-hierarchical allreduce), "d0.001", "d0.01", "d0.1" (stella's sparse route at that fixed
-density) and "adapt" (hvd.Adjuster between --min-density and --max-density). The sparse modes use
---compressor (cache-aware by default) with error feedback.
+(evaluation time not counted). Modes (MODES below): "ddp" (torch DDP, gloo, flat), "powersgd"
+(DDP with torch's PowerSGD hook), "postlocal8" (torch's post-local SGD, models averaged every 8
+steps), "dense" (stella_mpi's hierarchical allreduce), "d0.001", "d0.01", "d0.1" (stella's sparse
+route at that fixed density), "adapt" (hvd.Adjuster between --min-density and --max-density),
+"local8" / "diloco8" (hvd.LocalSteps every 8 steps, model averaging / outer Nesterov) and
+"local8+sparse" (local steps with 1 % sparse pseudo-gradients). The sparse modes use
+--compressor (cache-aware by default) with error feedback. --preset 13 (the default) runs issue
+13's set, --preset 14 issue 14's.
 
 The target loss of a rate is --target-loss, or else the median of the final held-out losses of
 that rate's runs (at least half of the modes reach it). Time to the target is the training time
@@ -29,24 +34,38 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 FIXED = ("d0.001", "d0.01", "d0.1")
-MODES = ("ddp", "dense") + FIXED + ("adapt",)
+# mode: bench/e2e_train.py's arguments ({c}: --compressor; sparse densities are the mode's own)
+MODES = {
+    "ddp": ["--mode", "ddp"],
+    "powersgd": ["--mode", "powersgd"],
+    "postlocal8": ["--mode", "postlocal:8"],
+    "dense": ["--mode", "dense"],
+    "d0.001": ["--mode", "sparse:{c}", "--density", "0.001"],
+    "d0.01": ["--mode", "sparse:{c}", "--density", "0.01"],
+    "d0.1": ["--mode", "sparse:{c}", "--density", "0.1"],
+    "adapt": ["--mode", "adapt:{c}", "--density", "0.01"],
+    "local8": ["--mode", "local:8"],
+    "diloco8": ["--mode", "diloco:8"],
+    "local8+sparse": ["--mode", "local:8:{c}", "--density", "0.01"],
+}
+PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers
+    "13": ("ddp", "dense") + FIXED + ("adapt",),
+    "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse"),
+}
+STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "local8+sparse"}
 
 
 def run_one(rate, mode, args, tmp):
-    out = os.path.join(tmp, "%s_%s.json" % (rate, mode))
+    out = os.path.join(tmp, "%s_%s.json" % (rate, mode.replace("+", "_")))
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
-    if mode in ("ddp", "dense"):
-        how = ["--mode", mode]
-    elif mode == "adapt":
-        how = ["--mode", "adapt:" + args.compressor, "--density", "0.01", "--min-density", str(args.min_density),
-               "--max-density", str(args.max_density)]
-    else:
-        how = ["--mode", "sparse:" + args.compressor, "--density", mode[1:]]
+    how = [a.format(c=args.compressor) for a in MODES[mode]]
+    if mode == "adapt":
+        how += ["--min-density", str(args.min_density), "--max-density", str(args.max_density)]
     cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
            os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
            "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
            "--out", out] + how
-    if args.momentum_correction and mode not in ("ddp", "dense"):
+    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse"}:
         cmd.append("--momentum-correction")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)
@@ -73,6 +92,9 @@ def summarize(runs, target_loss):
     table = {}
     for rate, modes in runs.items():
         finals = [r["validation_loss"] for r in modes.values() if "error" not in r]
+        if not finals:
+            table[rate] = {"target_loss": None, "best_fixed_s": None, "modes": {m: {"error": True} for m in modes}}
+            continue
         target = target_loss if target_loss is not None else statistics.median(finals)
         rows = {}
         for mode, r in modes.items():
@@ -98,6 +120,9 @@ def summarize(runs, target_loss):
 
 def print_table(table, seconds):
     for rate, t in table.items():
+        if t["target_loss"] is None:
+            print("\n=== WAN %s: every mode failed ===" % rate)
+            continue
         print("\n=== WAN %s: target held-out loss %.4f (%g s of training per mode) ===" % (rate, t["target_loss"],
                                                                                         seconds))
         print("%-7s %8s %8s %10s %10s %12s %10s %14s" % ("mode", "steps", "ms/step", "WAN MB/st", "final loss",
@@ -128,7 +153,8 @@ def plot(runs, table, path):
             if "error" not in r:
                 ax.plot([p["seconds"] for p in r["curve"]], [p["validation_loss"] for p in r["curve"]],
                         marker="o", markersize=2, label=mode)
-        ax.axhline(table[rate]["target_loss"], color="grey", lw=0.8, ls="--")
+        if table[rate]["target_loss"] is not None:
+            ax.axhline(table[rate]["target_loss"], color="grey", lw=0.8, ls="--")
         ax.set_title("WAN %s" % rate)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("held-out loss")
@@ -143,7 +169,9 @@ def plot(runs, table, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["20mbit", "100mbit", "1gbit"])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="13",
+                   help="13: DDP, dense, fixed densities, adaptive; 14: low-communication modes and torch's peers")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), help="instead of the preset's")
     p.add_argument("--seconds", type=float, default=40.0, help="training wall-clock of each run")
     p.add_argument("--eval-seconds", type=float, default=2.0)
     p.add_argument("--hidden", type=int, default=1024)
@@ -153,12 +181,14 @@ def main():
     p.add_argument("--min-density", type=float, default=1e-3)
     p.add_argument("--max-density", type=float, default=1.0)
     p.add_argument("--target-loss", type=float)
-    p.add_argument("--out", default=os.path.join(RESULTS, "time_to_loss.json"))
+    p.add_argument("--out", help="default: bench/results/time_to_loss.json (preset 14: time_to_loss_14.json)")
     args = p.parse_args()
+    if args.out is None:
+        args.out = os.path.join(RESULTS, "time_to_loss%s.json" % ("_14" if args.preset == "14" else ""))
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
-            runs[rate] = {mode: run_one(rate, mode, args, tmp) for mode in args.modes}
+            runs[rate] = {mode: run_one(rate, mode, args, tmp) for mode in (args.modes or PRESETS[args.preset])}
     table = summarize(runs, args.target_loss)
     print_table(table, args.seconds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,7 +1,9 @@
-"""One training run for the end-to-end comparison (bench/run_e2e.py): the same model, data,
-seed and steps under PyTorch DDP (gloo, flat over all ranks: the baseline users have today)
-or under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, or a sparse
-compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>").
+"""One training run for the end-to-end comparisons (bench/run_e2e.py, bench/bench_time_to_loss.py):
+the same model, data, seed and steps under PyTorch DDP (gloo, flat over all ranks: the baseline
+users have today; "powersgd" and "postlocal:H" add torch's PowerSGD hook and post-local SGD) or
+under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, a sparse
+compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>",
+or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]").
 
 Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
 Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
@@ -76,10 +78,46 @@ def ddp_setup(model):
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
+def cluster_ranks():
+    """The ranks of each cluster (stellarun's STELLA_CLUSTER labels, else one cluster), in the
+    order of their lowest rank: the layout the torch peers' subgroups follow."""
+    labels = MPI.COMM_WORLD.allgather(os.environ.get("STELLA_CLUSTER", "one"))
+    order = []
+    for label in labels:
+        if label not in order:
+            order.append(label)
+    return [[r for r, lab in enumerate(labels) if lab == label] for label in order]
+
+
+def torch_peer_setup(model, opt, mode):
+    """The torch peers of issue 14's benchmark, as a DDP user would set them up:
+    "powersgd" (DDP with torch's PowerSGD comm hook, rank 1, error feedback, 10 dense warm-up
+    steps) and "postlocal:H" (torch's post-local SGD: gradients averaged inside each cluster by the
+    PostLocalSGDState hook's subgroup, models averaged over all ranks every H steps by
+    PostLocalSGDOptimizer with a PeriodicModelAverager)."""
+    import torch.distributed as dist
+    init_gloo_world()
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    if mode == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return net, opt
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    period = int(mode.split(":")[1])
+    subgroup, _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=cluster_ranks())
+    state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=10)
+    net.register_comm_hook(state, post_localSGD_hook)
+    return net, PostLocalSGDOptimizer(optim=opt, averager=PeriodicModelAverager(period=period, warmup_steps=10))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, help="compute, ddp, dense, sparse:<compressor>, cpu:<compressor>, "
-                                                 "adapt:<compressor>, cpuadapt:<compressor>")
+    p.add_argument("--mode", required=True, help="compute, ddp, powersgd, postlocal:H, dense, sparse:<compressor>, "
+                                                 "cpu:<compressor>, adapt:<compressor>, cpuadapt:<compressor>, "
+                                                 "local:H[:<compressor>], diloco:H[:<compressor>]")
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
@@ -113,11 +151,17 @@ def main():
         net = model
     elif args.mode == "ddp":
         net = ddp_setup(model)
+    elif args.mode == "powersgd" or args.mode.startswith("postlocal:"):
+        net, opt = torch_peer_setup(model, opt, args.mode)
     else:
         import stella_mpi as hvd
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         kind, _, comp_name = args.mode.partition(":")
+        local_steps = None
+        if kind in ("local", "diloco"):   # local:H[:compressor]: model averaging or DiLoCo's outer Nesterov
+            every, _, comp_name = comp_name.partition(":")
+            local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov")
         comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
         adjuster = None
         if kind in ("adapt", "cpuadapt"):
@@ -125,6 +169,9 @@ def main():
         if kind in ("cpu", "cpuadapt"):
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            engine="cpu", staleness=1, model=model, adjuster=adjuster)
+        elif local_steps is not None:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
+                                           local_steps=local_steps)
         else:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            adjuster=adjuster,
@@ -184,7 +231,10 @@ def main():
             curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
             while next_eval <= elapsed:
                 next_eval += args.eval_seconds
-            paused += time.perf_counter() - e0
+            dt = time.perf_counter() - e0
+            paused += dt
+            if getattr(opt, "_adjust", None) is not None:
+                opt._adjust.exclude(dt)   # nor in the adjuster's timing of the next step
             now = time.perf_counter()
         if over:
             break
