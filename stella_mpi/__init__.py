@@ -6,7 +6,7 @@ imports only layers below it; tests/unit/test_layering.py checks it): ``base`` (
 settings), ``_native`` (the C core's binding), ``compression``, ``comm`` (deadlines, topology,
 intra-cluster backends, the two-level route), ``core`` (state, process sets, the collective
 thread, executors), ``api`` (Horovod's functions), ``adjust`` (the bandwidth-driven
-adjuster), ``optim`` (DistributedOptimizer). The launcher is the separate package ``stellarun``.
+adjuster), ``optim`` (DistributedOptimizer), ``elastic`` (Horovod's elastic API). The launcher is the separate package ``stellarun``.
 """
 from .comm.process_watchdog import import_mpi as _import_mpi
 
@@ -39,5 +39,6 @@ from .compression import Compression  # noqa: F401,E402
 from .core.process_sets import ProcessSet, global_process_set  # noqa: F401,E402
 from .optim.factory import DistributedOptimizer  # noqa: F401,E402
 from .optim.local_steps import LocalSteps  # noqa: F401,E402
+from . import elastic  # noqa: F401,E402
 
 __version__ = "0.1.0"

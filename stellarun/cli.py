@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from . import config_file, leftovers, shaping, status
+from . import config_file, elastic, leftovers, shaping, status
 from .rank import OUTPUT_DIR_VAR, die_with_parent
 from .wan import WanEmulation, namespaces_available, reap_stale
 
@@ -249,7 +249,7 @@ def _in_terminal_foreground():
     return False
 
 
-def run_job(args, command_for, setup=None, teardown=None):
+def run_job(args, command_for, setup=None, teardown=None, records_out=None):
     """Run mpirun (``command_for(status_dir)``) supervised: signals forwarded, ranks killed
     SIGNAL_GRACE_S after a signal they ignore, mpirun killed with stellarun, MPICH's leftovers
     removed, the first failed rank reported. Returns stellarun's exit code.
@@ -328,6 +328,8 @@ def run_job(args, command_for, setup=None, teardown=None):
     if signalled:
         # what the ranks recorded after the signal is the signal's doing, not a failure
         records = [r for r in records if r["time"] < signalled[0][1]]
+    if records_out is not None:
+        records_out.extend(records)
     line, code = status.report(records)
     if line:
         print("stellarun: " + line, flush=True)
@@ -382,6 +384,61 @@ def build_command(args, status_dir):
     if not args.command:
         raise UsageError("stellarun: no command to run (e.g. stellarun -np 4 python train.py)")
     return cmd + supervised(args.command)
+
+
+def build_segments_command(args, segments, status_dir):
+    """stellarun --elastic's mpirun: one MPMD segment per rank [(host, env)], local hosts run
+    here (fork), others by hydra on that host."""
+    cmd = [args.mpirun or find_mpirun()]
+    hosts = []
+    for host, _ in segments:
+        if host not in hosts:
+            hosts.append(host)
+    if all(elastic.is_local(h) for h in hosts):
+        cmd += ["-launcher", "fork"]
+    else:
+        cmd += ["-hosts", ",".join("%s:%d" % (h, sum(1 for x, _ in segments if x == h)) for h in hosts)]
+    if args.network_interface:
+        cmd += ["-iface", args.network_interface]
+    env = settings_env(args)
+    if status_dir:
+        env["STELLA_STATUS_DIR"] = status_dir
+    for k, v in sorted(env.items()):
+        cmd += ["-genv", k, v]
+    cmd += list(args.mpi_args or [])
+    for i, (host, seg_env) in enumerate(segments):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        for k, v in sorted(seg_env.items()):
+            cmd += ["-env", k, v]
+        cmd += supervised(args.command)
+    return cmd
+
+
+def run_elastic(args):
+    if args.wan or args.hostfile or args.clusters:
+        raise UsageError("stellarun: --elastic takes its hosts from --host-discovery-script or -H (not -f, --clusters "
+                         "or --wan)")
+    if not args.command:
+        raise UsageError("stellarun: no command to run (e.g. stellarun --elastic -np 4 ... python train.py)")
+    if not args.host_discovery_script and not args.hosts:
+        raise UsageError("stellarun: --elastic needs --host-discovery-script (or -H for a fixed host list)")
+    args.static_hosts = parse_hosts(args.hosts) if args.hosts else None
+    labels = {}
+    for item in args.cluster_of or []:
+        host, sep, label = item.partition("=")
+        if not sep or not host or not label:
+            raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
+        labels[host] = label
+    args.cluster_labels = labels
+    if args.blacklist_cooldown_range:
+        lo, hi = args.blacklist_cooldown_range
+        if not 0 <= lo <= hi:
+            raise UsageError("stellarun: --blacklist-cooldown-range expects MIN MAX seconds with 0 <= MIN <= MAX")
+    return elastic.elastic_main(
+        args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir)),
+        lambda command_for, records: run_job(args, command_for, records_out=records))
 
 
 def parse_hosts(text):
@@ -448,6 +505,17 @@ def parse(argv):
     p.add_argument("--stall-check-shutdown-time-seconds", type=float)
     p.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL",
                                            "trace", "debug", "info", "warning", "error", "fatal"])
+    p.add_argument("--elastic", action="store_true",
+                   help="an elastic job (hvd.elastic): survive lost hosts and take in new ones (stellarun/elastic.py)")
+    p.add_argument("--min-np", type=int, help="--elastic: the fewest ranks to run with (default -np)")
+    p.add_argument("--max-np", type=int, help="--elastic: the most ranks to run with (default -np)")
+    p.add_argument("--host-discovery-script", metavar="SCRIPT",
+                   help="--elastic: prints the available hosts, one host:slots per line")
+    p.add_argument("--reset-limit", type=int, default=100, help="--elastic: resets before giving up")
+    p.add_argument("--elastic-timeout", type=float, default=600.0,
+                   help="--elastic: seconds to wait for --min-np slots")
+    p.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                   help="--elastic: a failed host is left out for a random time in this range (default: for good)")
     p.add_argument("--dry-run", action="store_true", help="print the full mpirun command instead of running it")
     p.add_argument("--clean", action="store_true",
                    help="remove the shared-memory and topology files MPICH left behind on this machine (of jobs "
@@ -480,6 +548,8 @@ def _main(argv):
         return 0
     if args.mpirun:
         check_mpirun(args.mpirun)
+    if args.elastic or args.host_discovery_script or args.min_np or args.max_np:
+        return run_elastic(args)
     if args.wan:
         if args.hosts or args.network_interface:
             raise UsageError("stellarun: --wan emulates clusters on this machine; -H and --network-interface are for "

@@ -160,3 +160,20 @@ def device_path_setting():
 def status_dir_setting():
     """``STELLA_STATUS_DIR``: where stellarun collects how each rank ended ("" = not under stellarun)."""
     return str(os.environ.get("STELLA_STATUS_DIR", "")).strip()
+
+
+def elastic_setting():
+    """What ``stellarun --elastic`` tells each rank (stella_mpi/elastic/worker.py), or None
+    outside an elastic launch: the host's commit directory, the launcher's notification file,
+    the epoch and the resets this incarnation started with, and the host it runs for."""
+    def number(name):
+        value = os.environ.get(name, "0")
+        try:
+            return int(value or 0)
+        except ValueError:
+            raise ValueError("%s=%r is not an integer (it is stellarun --elastic's)" % (name, value))
+    setting = {"dir": str(os.environ.get("STELLA_ELASTIC_DIR", "")).strip(),
+               "notify": str(os.environ.get("STELLA_ELASTIC_NOTIFY", "")),
+               "epoch": number("STELLA_ELASTIC_EPOCH"), "resets": number("STELLA_ELASTIC_RESETS"),
+               "host": str(os.environ.get("HOROVOD_HOSTNAME", ""))}
+    return setting if setting["dir"] else None

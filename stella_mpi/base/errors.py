@@ -39,4 +39,10 @@ class StellaTimeoutError(HorovodInternalError, TimeoutError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Kept for scripts written for Horovod's elastic mode; never raised here."""
+    """Hosts were added or removed (``stellarun --elastic``'s discovery): raised on every rank at
+    the same ``commit()`` or ``check_host_updates()``, as in Horovod's elastic mode.
+    ``skip_sync``: only hosts were added (the survivors' state needs no rollback)."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("the hosts of the elastic job changed")
+        self.skip_sync = skip_sync

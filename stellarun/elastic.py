@@ -1,0 +1,255 @@
+"""``stellarun --elastic``: an elastic job as a sequence of MPI jobs ("incarnations").
+
+    stellarun --elastic -np 4 --min-np 2 --host-discovery-script ./hosts.sh \\
+        --cluster-of localhost=a --cluster-of 127.0.0.1=b python train.py
+
+MPI cannot shrink or grow a job's world in place, so when the hosts change stellarun starts a
+new MPI job for the hosts there are now, and the training state carries over through the
+commits the ranks write to node-local files (``hvd.elastic``: stella_mpi/elastic/). The loop:
+
+1. discover the hosts (``--host-discovery-script`` prints ``host:slots`` lines, as Horovod's
+   does; or ``-H``), leave out blacklisted ones, wait up to ``--elastic-timeout`` for at least
+   ``--min-np`` slots, and take up to ``--max-np`` (default ``-np``) ranks, filling hosts in order;
+2. run the incarnation: one mpirun, one MPMD segment per rank, each with Horovod's environment
+   (``HOROVOD_HOSTNAME``, ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
+   ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``), its cluster label
+   (``--cluster-of HOST=LABEL``, else the host's name) and its host's commit directory;
+   meanwhile discovery runs every second and a change is announced to the ranks (a notification
+   file), which raise ``HostsUpdatedInterrupt`` at their next ``commit()``, save, and leave;
+3. when the incarnation ends: exit 0 ends the job; anything else is a reset (at most
+   ``--reset-limit``): a host whose rank failed while it was still listed by discovery is
+   blacklisted (for a random time within ``--blacklist-cooldown-range``, else for good); a host
+   that had left the discovery output was revoked, not faulty, and may come back; then 1.
+
+On one machine, distinct names of it (``localhost``, ``127.0.0.1``, its hostname, any
+``127.x.y.z``) are distinct hosts, all launched here without ssh, so a revocation can be
+rehearsed on a laptop. Other names are launched by hydra on those hosts (``-hosts``).
+"""
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+RESET_EXIT = 75        # a rank leaving for a reset (stella_mpi/elastic/worker.py's EXIT_RESET)
+DISCOVERY_INTERVAL_S = 1.0
+
+
+class ElasticError(Exception):
+    pass
+
+
+def local_names():
+    names = {"localhost", "::1", socket.gethostname()}
+    try:
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return names
+
+
+def is_local(host):
+    return host in local_names() or host.startswith("127.")
+
+
+def parse_discovery(text):
+    """``host:slots`` lines (``host`` alone: 1 slot) -> [(host, slots)] in order, one per host."""
+    out, seen = [], set()
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        host, sep, slots = line.rpartition(":") if line.count(":") == 1 else (line, "", "")
+        if not sep:
+            host, slots = line, "1"
+        try:
+            n = int(slots)
+        except ValueError:
+            raise ElasticError("host discovery printed %r: expected host:slots" % line)
+        if not host or n < 1:
+            raise ElasticError("host discovery printed %r: expected host:slots with slots >= 1" % line)
+        if host not in seen:
+            seen.add(host)
+            out.append((host, n))
+    return out
+
+
+class Discovery:
+    """The current hosts: the discovery script's output, or the static ``-H`` list."""
+
+    def __init__(self, script=None, static=None):
+        self.script = script
+        self.static = static or []
+        self.last = list(self.static)
+
+    def hosts(self):
+        if not self.script:
+            return list(self.static)
+        try:
+            out = subprocess.run([self.script] if os.access(self.script, os.X_OK) else ["sh", self.script],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print("stellarun elastic: host discovery failed (%s); keeping the last hosts" % e, flush=True)
+            return list(self.last)
+        if out.returncode != 0:
+            print("stellarun elastic: host discovery exited with %d; keeping the last hosts" % out.returncode,
+                  flush=True)
+            return list(self.last)
+        self.last = parse_discovery(out.stdout)
+        return list(self.last)
+
+
+def assign(hosts, max_np):
+    """Ranks to hosts, filling hosts in order: [(host, local_rank, local_size)] per rank."""
+    ranks = []
+    for host, slots in hosts:
+        n = min(slots, max_np - len(ranks))
+        ranks += [(host, i, n) for i in range(n)]
+        if len(ranks) >= max_np:
+            break
+    return ranks
+
+
+class ElasticDriver:
+    def __init__(self, args, command_for_segments, run_job):
+        self.args = args
+        self.discovery = Discovery(args.host_discovery_script, args.static_hosts)
+        self.min_np = args.min_np or args.np
+        self.max_np = args.max_np or args.np
+        if not self.min_np or not self.max_np or self.min_np > self.max_np:
+            raise ElasticError("--elastic needs -np (and --min-np <= --max-np)")
+        self.base = tempfile.mkdtemp(prefix="stella-elastic-")
+        self.notify = os.path.join(self.base, "hosts_updated")
+        self.epoch = 0
+        self.resets = 0
+        self.blacklist = {}     # host -> until (monotonic seconds; inf: for good)
+        self.command_for_segments = command_for_segments
+        self.run_job = run_job
+        self.labels = dict(args.cluster_labels or {})
+        self.history = []       # (incarnation, hosts, exit code, seconds)
+
+    # ---- hosts ----
+    def usable(self, hosts):
+        now = time.monotonic()
+        return [(h, n) for h, n in hosts if self.blacklist.get(h, 0) <= now]
+
+    def wait_for_hosts(self):
+        deadline = time.monotonic() + self.args.elastic_timeout
+        while True:
+            hosts = self.usable(self.discovery.hosts())
+            if sum(n for _, n in hosts) >= self.min_np:
+                return hosts
+            if time.monotonic() > deadline:
+                raise ElasticError("fewer than --min-np %d slots for %.0f s (hosts: %s)" % (
+                    self.min_np, self.args.elastic_timeout, ", ".join("%s:%d" % h for h in hosts) or "none"))
+            time.sleep(DISCOVERY_INTERVAL_S)
+
+    def announce(self, kind):
+        self.epoch += 1
+        tmp = self.notify + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("%d %s\n" % (self.epoch, kind))
+        os.replace(tmp, self.notify)
+        print("stellarun elastic: hosts %s; the ranks reset at their next commit" % kind, flush=True)
+
+    def watch(self, running, stop):
+        """During an incarnation: announce each change of the discovered hosts once."""
+        known = {h for h, _ in running}
+        while not stop.wait(DISCOVERY_INTERVAL_S):
+            now = {h for h, _ in self.usable(self.discovery.hosts())}
+            if now != known:
+                self.announce("removed" if known - now else "added")
+                known = now
+
+    # ---- one incarnation ----
+    def segments(self, ranks):
+        hosts = []
+        for h, _, _ in ranks:
+            if h not in hosts:
+                hosts.append(h)
+        out = []
+        for r, (host, local_rank, local_size) in enumerate(ranks):
+            env = {"HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(len(ranks)),
+                   "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
+                   "HOROVOD_CROSS_RANK": str(hosts.index(host)), "HOROVOD_CROSS_SIZE": str(len(hosts)),
+                   "HOROVOD_ELASTIC": "1", "STELLA_CLUSTER": self.labels.get(host, host),
+                   "STELLA_ELASTIC_DIR": os.path.join(self.base, "hosts", host),
+                   "STELLA_ELASTIC_NOTIFY": self.notify, "STELLA_ELASTIC_EPOCH": str(self.epoch),
+                   "STELLA_ELASTIC_RESETS": str(self.resets)}
+            out.append((host, env))
+        return out
+
+    def run(self):
+        try:
+            while True:
+                hosts = self.wait_for_hosts()
+                ranks = assign(hosts, self.max_np)
+                used = []
+                for h, _, _ in ranks:
+                    if h not in used:
+                        used.append(h)
+                print("stellarun elastic: incarnation %d: %d rank(s) on %s (unix %.3f)" % (
+                    len(self.history), len(ranks), ", ".join("%s:%d" % (h, sum(1 for x in ranks if x[0] == h))
+                                                             for h in used), time.time()), flush=True)
+                stop = threading.Event()
+                watcher = threading.Thread(target=self.watch, args=([(h, 0) for h in used], stop), daemon=True)
+                watcher.start()
+                records = []
+                t0 = time.monotonic()
+                try:
+                    rc = self.run_job(self.command_for_segments(self.segments(ranks)), records)
+                finally:
+                    stop.set()
+                    watcher.join()
+                self.history.append((len(self.history), used, rc, time.monotonic() - t0))
+                print("stellarun elastic: incarnation %d ended with exit %d (unix %.3f)" % (
+                    len(self.history) - 1, rc, time.time()), flush=True)
+                if rc == 0:
+                    return 0
+                if rc >= 128 and not records:   # stellarun itself was stopped by a signal
+                    return rc
+                self.resets += 1
+                self.handle_failures(records, ranks)
+                if self.resets > self.args.reset_limit:
+                    print("stellarun elastic: %d resets, more than --reset-limit %d; giving up" % (
+                        self.resets, self.args.reset_limit), flush=True)
+                    return rc
+                print("stellarun elastic: reset %d: starting the next incarnation" % self.resets, flush=True)
+        finally:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def handle_failures(self, records, ranks):
+        """Blacklist the hosts whose ranks failed while discovery still listed them."""
+        listed = {h for h, _ in self.discovery.hosts()}
+        failed = set()
+        for rec in records:
+            r = rec.get("rank", -1)
+            if 0 <= r < len(ranks) and not _is_reset(rec):
+                failed.add(ranks[r][0])
+        for host in sorted(failed):
+            if host not in listed:
+                print("stellarun elastic: host %s left (revoked); it may come back" % host, flush=True)
+                continue
+            lo, hi = self.args.blacklist_cooldown_range or (None, None)
+            until = time.monotonic() + random.uniform(lo, hi) if lo is not None else float("inf")
+            self.blacklist[host] = until
+            print("stellarun elastic: host %s failed; blacklisted %s" % (
+                host, "for good" if until == float("inf") else "for %.0f s" % (until - time.monotonic())), flush=True)
+
+
+def _is_reset(rec):
+    """A rank that left for a reset (exit RESET_EXIT) did not fail."""
+    return rec.get("cause") == "exit" and ("code %d" % RESET_EXIT) in str(rec.get("detail", ""))
+
+
+def elastic_main(args, build_segments_command, run_job):
+    try:
+        driver = ElasticDriver(args, build_segments_command, run_job)
+        return driver.run()
+    except ElasticError as e:
+        print("stellarun elastic: %s" % e, file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,124 @@
+"""Elastic training on this machine (stellarun --elastic, hvd.elastic): two pretend hosts
+(``localhost`` and ``127.0.0.1``, one cluster each) found by a discovery script the test edits.
+A host is revoked (left out of discovery, its workers SIGKILLed at a random step): training goes
+on with the other host's ranks, losing at most the steps since the last commit; the host comes
+back and its ranks rejoin; at the end every rank holds the same parameters and nothing is left
+behind."""
+import glob
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import elastic_harness as eh
+from mpi_launch import ROOT, mpirun_path
+
+pytestmark = pytest.mark.mpi
+COMMIT_EVERY = 5
+
+
+def _wait(cond, timeout, what, log):
+    got = eh.wait(cond, timeout, poll=0.2)
+    if not got:
+        pytest.fail("%s within %.0f s\n%s" % (what, timeout, eh.read(log)[-4000:]))
+    return got
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    if mpirun_path() is None:
+        pytest.skip("no mpirun (pip install mpich)")
+    return eh.discovery(tmp_path, [("localhost", 2), ("127.0.0.1", 2)])
+
+
+def _launch(tmp_path, script, steps):
+    return eh.launch(tmp_path, script, 4, steps, train_args=["--commit-every", str(COMMIT_EVERY),
+                                                              "--step-sleep", "0.05"])
+
+
+def test_revoked_host_is_survived_and_rejoins(tmp_path, hosts):
+    listing, script = hosts
+    before = set(glob.glob("/tmp/stella-elastic-*"))
+    proc, log, out, f = _launch(tmp_path, script, steps=120)
+    _progress, _workers = eh.progress, eh.workers
+    try:
+        kill_at = random.Random().randint(12, 30)
+        _wait(lambda: any(s >= kill_at and n == 4 for s, n, _ in _progress(log)), 120, "4 ranks reach step %d" % kill_at,
+              log)
+        # revoke 127.0.0.1: gone from discovery, its workers killed without warning
+        eh.write_hosts(listing, [("localhost", 2)])
+        victims = _workers("127.0.0.1")
+        assert len(victims) == 2, victims
+        killed_at = max(s for s, _, _ in _progress(log))
+        t_kill = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        resumed = _wait(lambda: [(s, t) for s, n, t in _progress(log) if n == 2], 30,
+                        "training goes on with the 2 surviving ranks", log)
+        first_step, first_t = resumed[0]
+        resumed_from = first_step - 1          # rolled back to the last commit ...
+        assert resumed_from % COMMIT_EVERY == 0, (first_step, killed_at)
+        assert killed_at - COMMIT_EVERY <= resumed_from <= killed_at + 1, (first_step, killed_at)
+        assert first_t - t_kill < 30           # ... and going on within 30 s
+        # the host comes back: its ranks rejoin at the next commit
+        eh.write_hosts(listing, [("localhost", 2), ("127.0.0.1", 2)])
+        t_back = time.time()
+        rejoined = _wait(lambda: [(s, t) for s, n, t in _progress(log) if n == 4 and t > t_back], 90,
+                         "the returning host's ranks rejoin", log)
+        assert rejoined[0][1] - t_back < 90
+    finally:
+        rc = eh.finish(proc, f)
+    text = eh.read(log)
+    assert rc == 0, text[-4000:]
+    with open(out) as fh:
+        result = json.load(fh)
+    assert result == {**result, "steps": 120, "size": 4, "identical": True}, result
+    assert "host 127.0.0.1 left (revoked)" in text
+    assert not _workers("localhost") and not _workers("127.0.0.1")
+    assert set(glob.glob("/tmp/stella-elastic-*")) <= before
+
+
+def test_a_failing_host_still_listed_is_blacklisted_and_the_job_goes_on(tmp_path, hosts):
+    """A rank that dies while its host is still listed: the host is blacklisted (for good, no
+    cooldown given) and the job finishes on the other host."""
+    listing, script = hosts
+    proc, log, out, f = _launch(tmp_path, script, steps=40)
+    try:
+        _wait(lambda: any(s >= 8 for s, _, _ in eh.progress(log)), 120, "step 8", log)
+        os.kill(eh.workers("127.0.0.1")[0], signal.SIGKILL)
+    finally:
+        rc = eh.finish(proc, f)
+    text = eh.read(log)
+    assert rc == 0, text[-4000:]
+    assert "host 127.0.0.1 failed; blacklisted for good" in text
+    with open(out) as fh:
+        result = json.load(fh)
+    assert result["steps"] == 40 and result["size"] == 2 and result["identical"]
+
+
+def test_without_elastic_a_killed_rank_ends_the_job_naming_it(tmp_path):
+    """Not elastic: as before, the job ends and says which rank."""
+    if mpirun_path() is None:
+        pytest.skip("no mpirun")
+    log = tmp_path / "job.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(eh.STELLARUN + ["-np", "2", "--clusters", "2", "--timeout", "30", sys.executable, eh.SCRIPT,
+                                                "--steps", "400", "--step-sleep", "0.05"],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            _wait(lambda: any(s >= 5 for s, _, _ in eh.progress(log)), 60, "step 5", log)
+            t0 = time.time()
+            os.kill(eh.workers()[-1], signal.SIGKILL)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert rc != 0 and time.time() - t0 < 30
+    assert re.search(r"rank \d \(host .*\) failed first", eh.read(log))
