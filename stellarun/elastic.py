@@ -16,7 +16,8 @@ commits the ranks write to node-local files (``hvd.elastic``: stella_mpi/elastic
    (``--cluster-of HOST=LABEL``, else the host's name) and its host's commit directory;
    meanwhile discovery runs every second and a change is announced to the ranks (a notification
    file), which raise ``HostsUpdatedInterrupt`` at their next ``commit()``, save, and leave;
-3. when the incarnation ends: exit 0 ends the job; anything else is a reset (at most
+3. when the incarnation ends: exit 0 ends the job, and so does an uncaught exception in the
+   script (another incarnation would raise it again); anything else is a reset (at most
    ``--reset-limit``): a host whose rank failed while it was still listed by discovery is
    blacklisted (for a random time within ``--blacklist-cooldown-range``, else for good); a host
    that had left the discovery output was revoked, not faulty, and may come back; then 1.
@@ -211,6 +212,11 @@ class ElasticDriver:
                 if rc == 0:
                     return 0
                 if rc >= 128 and not records:   # stellarun itself was stopped by a signal
+                    return rc
+                raised = [r for r in records if r.get("cause") == "exception"]
+                if raised:   # the script's own error: another incarnation would raise it again
+                    print("stellarun elastic: rank %d raised an exception (not a lost host); the job ends" %
+                          raised[0].get("rank", -1), flush=True)
                     return rc
                 self.resets += 1
                 self.handle_failures(records, ranks)

@@ -102,6 +102,17 @@ def test_a_failing_host_still_listed_is_blacklisted_and_the_job_goes_on(tmp_path
     assert result["steps"] == 40 and result["size"] == 2 and result["identical"]
 
 
+def test_a_script_error_ends_the_elastic_job(tmp_path, hosts):
+    """An uncaught exception is the script's own bug, not a lost host: no reset loop."""
+    listing, script = hosts
+    proc, log, out, f = eh.launch(tmp_path, script, 4, 40, train_args=["--raise-at", "3"])
+    rc = eh.finish(proc, f, timeout=120)
+    text = eh.read(log)
+    assert rc == 10, text[-3000:]
+    assert "raised an exception (not a lost host)" in text and "a bug in the training script" in text
+    assert "reset 1" not in text
+
+
 def test_without_elastic_a_killed_rank_ends_the_job_naming_it(tmp_path):
     """Not elastic: as before, the job ends and says which rank."""
     if mpirun_path() is None:

@@ -30,15 +30,16 @@ Two objectives (``Adjuster.objective``):
   residual-to-gradient norm ratio rho (per window, over all ranks) is that backlog. For a
   residual fed by gradients that are mostly noise, rho grows like sqrt((1 - d) / d) (each
   entry waits about 1/d steps), so rho(d) = kappa * sqrt((1 - d) / d), kappa fitted as the
-  median over the recent windows (1 before any), and 0 for dense. The score of a rung::
+  median over the recent windows (the last one measured is kept; 1 before any), and 0 for dense. The score of a rung::
 
       score(P, d) = step(d, P) / P * (1 + backlog_cost * rho(d))
 
   ``backlog_cost`` is the fraction of a step that one unit of rho costs in training progress,
-  calibrated on the byte-level LM (bench/bench_time_to_loss.py). Where compute dominates, the
-  wire adds little and the highest density the link allows wins (dense at 1 Gbit/s on the
-  bench models); where the link is slow, the lower step time of a sparse rung outweighs its
-  backlog. Hysteresis: move only to a rung whose score is lower by ``hysteresis / 2`` or more
+  calibrated on the byte-level LM (bench/bench_time_to_loss.py: 0.02; with 0.03 it settled at 2-3x
+  the best fixed density at 100 Mbit/s and 1 Gbit/s). Where compute dominates, the
+  wire adds little and the highest density the link allows wins, up to dense; where the link is
+  slow, the lower step time of a sparse rung outweighs its backlog. (On the 2-core test machine
+  a dense step of the bench LM takes 2.8x a 1 % step even at 1 Gbit/s, so there it stays sparse.) Hysteresis: move only to a rung whose score is lower by ``hysteresis / 2`` or more
   (up only when two windows in a row agree, and by half a decade of density at most: the
   bandwidth measured with tiny payloads says little about a payload 1000x larger, so the link is
   measured again on the way up).

@@ -32,7 +32,7 @@ class AdjusterSettings:
     max_density: float = 1.0
     objective: str = "time_to_loss"
     target: float = 1.2
-    backlog_cost: float = 0.03
+    backlog_cost: float = 0.02
     allow_accumulation: bool = False
     max_backward_passes: int = 8
     batch_split: bool = False

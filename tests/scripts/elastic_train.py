@@ -15,6 +15,7 @@ p.add_argument("--steps", type=int, default=60)
 p.add_argument("--commit-every", type=int, default=5)
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
 p.add_argument("--width", type=int, default=256)
+p.add_argument("--raise-at", type=int, default=0, help="raise ValueError on rank 0 at this step (a script bug)")
 p.add_argument("--out")
 args = p.parse_args()
 
@@ -48,6 +49,8 @@ def train(state):
         loss.backward()
         opt.step()
         state.step += 1
+        if state.step == args.raise_at and hvd.rank() == 0:
+            raise ValueError("a bug in the training script")
         if hvd.rank() == 0:
             print("progress step=%d size=%d t=%.3f loss=%.4f" % (state.step, hvd.size(), time.time(), loss.item()),
                   flush=True)
