@@ -21,8 +21,8 @@ def workers(host=None):
         try:
             with open(proc + "/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
-            if not any(a.endswith(b"elastic_train.py") for a in cmd) or b"stellarun.rank" in cmd:
-                continue
+            if len(cmd) < 2 or not cmd[1].endswith(b"elastic_train.py"):   # python SCRIPT: not mpirun,
+                continue                                                       # stellarun or a supervisor
             with open(proc + "/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
