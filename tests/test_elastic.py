@@ -84,6 +84,7 @@ def test_revoked_host_is_survived_and_rejoins(tmp_path, hosts):
     assert set(glob.glob("/tmp/stella-elastic-*")) <= before
 
 
+@pytest.mark.slow
 def test_a_failing_host_still_listed_is_blacklisted_and_the_job_goes_on(tmp_path, hosts):
     """A rank that dies while its host is still listed: the host is blacklisted (for good, no
     cooldown given) and the job finishes on the other host."""
@@ -102,6 +103,7 @@ def test_a_failing_host_still_listed_is_blacklisted_and_the_job_goes_on(tmp_path
     assert result["steps"] == 40 and result["size"] == 2 and result["identical"]
 
 
+@pytest.mark.slow
 def test_a_script_error_ends_the_elastic_job(tmp_path, hosts):
     """An uncaught exception is the script's own bug, not a lost host: no reset loop."""
     listing, script = hosts
