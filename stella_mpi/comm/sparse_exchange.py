@@ -236,6 +236,14 @@ def dense_rung(hier, piece, comp, memory, key, comm):
         memory.reset(key)
     grad_sq = float(torch.dot(piece, piece))
     wire = None if comp.value_dtype == "float32" else getattr(torch, comp.value_dtype)
+    if wire is not None:   # 16-bit values: clamped to the wire's range, the rounding error kept (as select does)
+        finfo = torch.finfo(wire)
+        finite = torch.isfinite(piece)
+        rounded = torch.where(finite, piece.clamp(-finfo.max, finfo.max), piece).to(wire).to(piece.dtype)
+        if memory is not None:
+            memory.residual(key, piece.numel(), piece.device).copy_(
+                torch.where(finite, piece - rounded, torch.zeros_like(piece)))
+        piece.copy_(rounded)
     t0 = time.perf_counter()
     hier.cross_reduce(piece, "sum", comm, wire)
     hier.stats.add(exchange_s=time.perf_counter() - t0)

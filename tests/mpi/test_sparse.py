@@ -64,6 +64,22 @@ def test_density_one_is_sent_dense_and_flushes_the_residual():
         assert last["wan_bytes_sent"] == 4 * shard and last["residual_norm_ratio"] == 0.0, last
 
 
+def test_density_one_with_16_bit_values_clamps_and_keeps_the_rounding_error():
+    """The dense rung with float16 values: what float16 cannot hold is clamped, not inf, and
+    with error feedback the rounding error stays in the residual for the next step."""
+    n = 3000
+    x = rank_input(hvd.rank(), (n,), torch.float32, seed=61)
+    x[5] = 1e6   # beyond float16's range on every rank
+    comp = hvd.Compression.topk(density=1.0, value_dtype="float16")
+    out = hvd.allreduce(x, compression=comp, name="rung16")
+    assert bool(torch.isfinite(out).all())
+    if hvd.global_process_set.topology.num_clusters > 1:   # the rank owning entry 5 kept the excess
+        memory = state.current().sparse_memory
+        local = max([float(memory.get(k).abs().max()) for k in memory.names() if k.startswith("rung16")] or [0.0])
+        peak = hvd.allreduce(torch.tensor([local]), op=hvd.Max, name="rung16.peak").item()
+        assert peak > 1e5, peak
+
+
 def test_topk_matches_reference_pipeline():
     """First step (empty residual): result = sum over clusters of each cluster's top-k of its
     shard sum, divided by the number of ranks."""
