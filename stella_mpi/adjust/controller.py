@@ -300,8 +300,8 @@ class Controller:
         est = self.estimate()
         cur = self._rung()
         h = s.hysteresis
-        fits = [self._ratio(est, i) for i in range(len(self.rungs))]
-        if s.objective == "time_to_loss":
+        fits = [self._ratio(est, i) for i in range(len(self.rungs))] if s.objective == "step_time" else None
+        if fits is None:
             new, reason = self._choose_by_score(est, cur)
         elif fits[cur] <= 1.0 + h:
             up = max([i for i in range(cur + 1, len(self.rungs)) if fits[i] <= 1.0 - h], default=cur)

@@ -145,11 +145,7 @@ class _ModelHandler(_Handler):
         broadcast_parameters(self.value.state_dict(), root_rank=root_rank)
 
 
-class _SamplerHandler(_Handler):
-    pass
-
-
-HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _Handler), (ElasticSampler, _SamplerHandler)]
+HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _Handler), (ElasticSampler, _Handler)]
 
 
 class TorchState(ObjectState):
@@ -190,9 +186,7 @@ class TorchState(ObjectState):
     def sync(self, root_rank=0):
         for name, h in self._handlers.items():
             h.sync(root_rank, name)
-        super().sync(root_rank)
-        for h in self._handlers.values():
-            h.save()
+        super().sync(root_rank)   # (its save() saves the synced handlers too)
 
     def reset(self):
         for h in self._handlers.values():

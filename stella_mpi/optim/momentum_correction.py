@@ -33,8 +33,6 @@ before it selects). The velocities accumulate the gradients as backward left the
 GradScaler (scaled gradients, a changing scale) or gradient clipping after ``synchronize()``
 the correction carries scaled values and clips velocities; use it with unscaled gradients.
 """
-import torch
-
 __all__ = ["MomentumCorrectionState"]
 
 
