@@ -27,6 +27,15 @@ static inline uint32_t stella_key_bits(uint32_t u) {
 static inline uint32_t stella_mag_key(float f) { return stella_key_bits(stella_f2u(f)); }
 static inline float stella_absf(float f) { return stella_u2f(stella_f2u(f) & 0x7fffffffu); }
 
+/* splitmix64's finalizer: the keyed hashes of random-k and THC (integer arithmetic only, so
+ * every rank and machine draws the same values). */
+static inline uint64_t stella_mix64(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 /* The m-th largest (1 <= m <= n) of n distinct 64-bit values; reorders a. */
 uint64_t stella_select_desc_u64(uint64_t *a, int64_t n, int64_t m);
 

@@ -12,12 +12,7 @@
 
 #define ROUNDS 6
 
-static inline uint64_t mix64(uint64_t z) {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+#define mix64 stella_mix64
 
 int stella_randomk_key(uint64_t seed, const char *name, int64_t name_len, int64_t step, uint64_t *key) {
     if (!key) return STELLA_ERR_NULL;

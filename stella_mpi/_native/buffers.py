@@ -11,11 +11,12 @@ import torch
 from . import ffi
 
 # C element type of each torch dtype the kernels take (16-bit floats travel as raw uint16 bits)
+# (64-bit words, e.g. THC's lanes, are int64 tensors or uint64 numpy arrays)
 _CTYPES = {torch.float32: "float *", torch.int32: "uint32_t *", torch.uint8: "uint8_t *",
-           torch.float16: "uint16_t *", torch.bfloat16: "uint16_t *"}
+           torch.float16: "uint16_t *", torch.bfloat16: "uint16_t *", torch.int64: "uint64_t *"}
 # numpy dtypes accepted for each torch dtype (numpy has no bfloat16)
 _NP = {torch.float32: (np.float32,), torch.int32: (np.int32, np.uint32), torch.uint8: (np.uint8,),
-       torch.float16: (np.float16,), torch.bfloat16: ()}
+       torch.float16: (np.float16,), torch.bfloat16: (), torch.int64: (np.int64, np.uint64)}
 
 
 def pointer(x, dtype, what, writable=False):

@@ -1,0 +1,161 @@
+/* thc.c - homomorphic quantization of the cross-cluster sum (see stella_thc.h). */
+#include "stella_thc.h"
+#include "compress_internal.h"
+#include <math.h>
+
+#define THC_DRAW_MUL 0xd1342543de82ef95ull
+
+static int levels_of(int bits) { return (1 << (bits - 1)) - 1; }
+
+static int bits_ok(int bits) { return bits >= STELLA_THC_MIN_BITS && bits <= STELLA_THC_MAX_BITS; }
+
+int stella_thc_lane_bits(int bits, int nclusters, int *lane_bits) {
+    if (!lane_bits) return STELLA_ERR_NULL;
+    if (!bits_ok(bits) || nclusters < 1 || nclusters > STELLA_THC_MAX_CLUSTERS) return STELLA_ERR_ARG;
+    uint64_t top = 2ull * (uint64_t)levels_of(bits) * (uint64_t)nclusters;
+    int w = 0;
+    while (top >> w) w++;
+    *lane_bits = w;
+    return STELLA_OK;
+}
+
+int stella_thc_words(int64_t n, int lane_bits, int64_t *words) {
+    if (!words) return STELLA_ERR_NULL;
+    if (n < 0 || lane_bits < 1 || lane_bits > 32) return STELLA_ERR_ARG;
+    int64_t lanes = 64 / lane_bits;
+    *words = n / lanes + (n % lanes != 0);
+    return STELLA_OK;
+}
+
+/* x holds the entries start .. start + len - 1 of the vector: negate those whose sign bit is
+ * set (bit (i % 64) of mix64(key ^ (i / 64)) for entry i). */
+static void apply_signs(float *x, int64_t start, int64_t len, uint64_t key) {
+    int64_t g = start;
+    const int64_t end = start + len;
+    while (g < end) {
+        uint64_t bits = stella_mix64(key ^ (uint64_t)(g >> 6));
+        int64_t stop = (g | 63) + 1 < end ? (g | 63) + 1 : end;
+        for (; g < stop; g++)
+            if ((bits >> (g & 63)) & 1u) x[g - start] = -x[g - start];
+    }
+}
+
+static void fwht(float *x, int64_t len, float norm) {
+    for (int64_t h = 1; h < len; h <<= 1)
+        for (int64_t i = 0; i < len; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    for (int64_t j = 0; j < len; j++) x[j] *= norm;
+}
+
+int stella_thc_rotate(float *x, int64_t n, int block_log2, uint64_t key, int inverse) {
+    if (n < 0 || block_log2 < 1 || block_log2 > STELLA_THC_MAX_BLOCK_LOG2) return STELLA_ERR_ARG;
+    if (n > 0 && !x) return STELLA_ERR_NULL;
+    const int64_t len = (int64_t)1 << block_log2;
+    const float norm = 1.0f / sqrtf((float)len);
+    for (int64_t start = 0; start + len <= n; start += len) {
+        if (!inverse) {
+            apply_signs(x + start, start, len, key);
+            fwht(x + start, len, norm);
+        } else {
+            fwht(x + start, len, norm);
+            apply_signs(x + start, start, len, key);
+        }
+    }
+    return STELLA_OK;
+}
+
+int stella_thc_absmax(const float *x, int64_t n, float *absmax, int64_t *nonfinite) {
+    if (!absmax || !nonfinite) return STELLA_ERR_NULL;
+    if (n < 0) return STELLA_ERR_ARG;
+    if (n > 0 && !x) return STELLA_ERR_NULL;
+    uint32_t best = 0;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = stella_f2u(x[i]) & 0x7fffffffu;
+        if (u >= 0x7f800000u) bad++;
+        else if (u > best) best = u;
+    }
+    *absmax = stella_u2f(best);
+    *nonfinite = bad;
+    return STELLA_OK;
+}
+
+static inline float draw(uint64_t key, int64_t i) {
+    uint64_t h = stella_mix64(key + (uint64_t)(i >> 1) * THC_DRAW_MUL);
+    uint32_t r = (i & 1) ? (uint32_t)((h >> 16) & 0xffffffu) : (uint32_t)(h >> 40);
+    return (float)r * 0x1p-24f;
+}
+
+int stella_thc_quantize(float *x, int64_t n, int bits, float scale, uint64_t key, int lane_bits,
+                        uint64_t *words, int64_t cap) {
+    if (n < 0 || !bits_ok(bits) || lane_bits < 1 || lane_bits > 32) return STELLA_ERR_ARG;
+    if (!(scale >= 0.0f) || isinf(scale)) return STELLA_ERR_ARG;
+    int own;
+    stella_thc_lane_bits(bits, 1, &own);
+    if (lane_bits < own) return STELLA_ERR_ARG;
+    int64_t need;
+    stella_thc_words(n, lane_bits, &need);
+    if (need > 0 && !words) return STELLA_ERR_NULL;
+    if (n > 0 && !x) return STELLA_ERR_NULL;
+    if (cap < need) return STELLA_ERR_SIZE;
+    for (int64_t i = 0; i < n; i++)
+        if ((stella_f2u(x[i]) & 0x7fffffffu) >= 0x7f800000u) return STELLA_ERR_ARG;
+    const int L = levels_of(bits);
+    const float inv = scale > 0.0f ? (float)L / scale : 0.0f;
+    const float step = scale / (float)L;
+    const int64_t lanes = 64 / lane_bits;
+    for (int64_t w = 0; w < need; w++) {
+        uint64_t word = 0;
+        int64_t first = w * lanes;
+        int64_t m = n - first < lanes ? n - first : lanes;
+        for (int64_t j = 0; j < m; j++) {
+            int64_t i = first + j;
+            float t = x[i] * inv;
+            t = t + draw(key, i);
+            float f = floorf(t);
+            int q = f > (float)L ? L : (f < (float)-L ? -L : (int)f);
+            x[i] = (float)q * step;
+            word |= (uint64_t)(q + L) << (j * lane_bits);
+        }
+        words[w] = word;
+    }
+    return STELLA_OK;
+}
+
+int stella_thc_unpack_sum(const uint64_t *words, int64_t nwords, int64_t n, int bits, int nclusters,
+                          int lane_bits, float scale, float *out) {
+    if (n < 0 || !bits_ok(bits) || nclusters < 1 || nclusters > STELLA_THC_MAX_CLUSTERS) return STELLA_ERR_ARG;
+    if (lane_bits < 1 || lane_bits > 32 || !(scale >= 0.0f) || isinf(scale)) return STELLA_ERR_ARG;
+    int need_bits;
+    stella_thc_lane_bits(bits, nclusters, &need_bits);
+    if (lane_bits < need_bits) return STELLA_ERR_ARG;
+    int64_t need;
+    stella_thc_words(n, lane_bits, &need);
+    if (nwords != need) return STELLA_ERR_SIZE;
+    if (need > 0 && !words) return STELLA_ERR_NULL;
+    if (n > 0 && !out) return STELLA_ERR_NULL;
+    const int64_t L = levels_of(bits);
+    const uint64_t top = 2ull * (uint64_t)L * (uint64_t)nclusters;
+    const int64_t zero = L * (int64_t)nclusters;
+    const float step = scale / (float)L;
+    const int64_t lanes = 64 / lane_bits;
+    const uint64_t mask = lane_bits == 64 ? ~0ull : ((1ull << lane_bits) - 1);
+    for (int64_t w = 0; w < need; w++) {
+        uint64_t word = words[w];
+        int64_t first = w * lanes;
+        int64_t m = n - first < lanes ? n - first : lanes;
+        /* lanes past n, and bits past the last whole lane, must be zero */
+        int used = (int)(m * lane_bits);
+        if (used < 64 && (word >> used) != 0) return STELLA_ERR_MALFORMED;
+        for (int64_t j = 0; j < m; j++) {
+            uint64_t lane = (word >> (j * lane_bits)) & mask;
+            if (lane > top) return STELLA_ERR_MALFORMED;
+            out[first + j] = (float)((int64_t)lane - zero) * step;
+        }
+    }
+    return STELLA_OK;
+}

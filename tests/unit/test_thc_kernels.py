@@ -1,0 +1,238 @@
+"""The THC kernels (c_src/thc.c) against numpy references: lane widths, the randomized
+Hadamard rotation (against an explicit Sylvester matrix), stochastic rounding and packing (bit
+for bit), the lane sums of 1 to 16 clusters and beyond at their edges, and bad input."""
+import numpy as np
+import pytest
+import torch
+
+from stella_mpi._native import MalformedPayloadError
+from stella_mpi._native import thc as T
+
+M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def mix64(z):
+    """splitmix64's finalizer on uint64 numpy arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = (z + np.uint64(0x9E3779B97F4A7C15)) & M64
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & M64
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & M64
+        return z ^ (z >> np.uint64(31))
+
+
+def ref_lane_bits(bits, c):
+    return int(2 * ((1 << (bits - 1)) - 1) * c).bit_length()
+
+
+def ref_signs(n, key):
+    i = np.arange(n, dtype=np.uint64)
+    h = mix64(np.uint64(key) ^ (i >> np.uint64(6)))
+    return ((h >> (i & np.uint64(63))) & np.uint64(1)).astype(bool)
+
+
+def hadamard(m):
+    h = np.array([[1.0]])
+    for _ in range(m):
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def ref_rotate(x, m, key, inverse=False):
+    x = x.astype(np.float64).copy()
+    b = 1 << m
+    neg = ref_signs(x.size, key)
+    h = hadamard(m) / np.sqrt(b)
+    for s in range(0, x.size - b + 1, b):
+        blk = x[s:s + b]
+        sg = np.where(neg[s:s + b], -1.0, 1.0)
+        x[s:s + b] = sg * (h @ blk) if inverse else h @ (sg * blk)
+    return x
+
+
+def ref_draws(n, key):
+    i = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = mix64((np.uint64(key) + (i >> np.uint64(1)) * np.uint64(0xD1342543DE82EF95)) & M64)
+    r = np.where(i & np.uint64(1), (h >> np.uint64(16)) & np.uint64(0xFFFFFF), h >> np.uint64(40))
+    return r.astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def ref_quantize(x, bits, scale, key, lane):
+    """(levels q, what was sent, packed words) in the kernel's float32 sequence."""
+    L = (1 << (bits - 1)) - 1
+    x = x.astype(np.float32)
+    scale = np.float32(scale)
+    inv = np.float32(L) / scale if scale > 0 else np.float32(0)
+    t = (x * inv).astype(np.float32) + ref_draws(x.size, key)
+    q = np.clip(np.floor(t.astype(np.float32)), -L, L).astype(np.int64)
+    sent = q.astype(np.float32) * (scale / np.float32(L))
+    return q, sent, ref_pack(q + L, lane)
+
+
+def ref_pack(lanes, lane):
+    per = 64 // lane
+    nw = -(-lanes.size // per)
+    padded = np.zeros(nw * per, np.uint64)
+    padded[:lanes.size] = lanes.astype(np.uint64)
+    shifts = (np.arange(per, dtype=np.uint64) * np.uint64(lane))
+    return np.bitwise_or.reduce(padded.reshape(nw, per) << shifts, axis=1) if nw else np.zeros(0, np.uint64)
+
+
+def ref_unpack_sum(total_levels, bits, c, scale):
+    L = (1 << (bits - 1)) - 1
+    return (total_levels - L * c).astype(np.float32) * (np.float32(scale) / np.float32(L))
+
+
+SIZES = [0, 1, 2, 3, 63, 64, 65, 1000, 2**15 - 1, 2**15, 2**15 + 1, 2**16, 2**16 + 5]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_lane_bits_hold_the_sum_of_every_cluster(bits):
+    for c in list(range(1, 17)) + [100, 4096, T.MAX_CLUSTERS]:
+        assert T.lane_bits(bits, c) == ref_lane_bits(bits, c)
+        L = T.levels(bits)
+        assert 2 * L * c < 2 ** T.lane_bits(bits, c)   # the largest sum fits: no carry into the next lane
+    for bad in ((1, 2), (9, 2), (4, 0), (4, T.MAX_CLUSTERS + 1)):
+        with pytest.raises(ValueError, match="stella_thc_lane_bits"):
+            T.lane_bits(*bad)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 10])
+def test_rotation_matches_the_explicit_hadamard_matrix_and_inverts(m):
+    rng = np.random.default_rng(m)
+    for n in [0, 1, (1 << m) - 1, 1 << m, 3 * (1 << m) + 5, 2000]:
+        x = rng.standard_normal(n).astype(np.float32)
+        y = torch.from_numpy(x.copy())
+        T.rotate(y, m, key=0xABCDEF + m)
+        np.testing.assert_allclose(y.numpy(), ref_rotate(x, m, 0xABCDEF + m), rtol=1e-5, atol=1e-5)
+        full = n - n % (1 << m)
+        assert np.array_equal(y.numpy()[full:], x[full:])           # the tail is left as it is
+        np.testing.assert_allclose(np.linalg.norm(y.numpy()), np.linalg.norm(x), rtol=1e-5)   # orthonormal
+        T.rotate(y, m, key=0xABCDEF + m, inverse=True)
+        np.testing.assert_allclose(y.numpy(), x, rtol=1e-5, atol=1e-5)
+
+
+def test_rotation_spreads_an_outlier():
+    x = torch.zeros(4096)
+    x[17] = 1000.0
+    T.rotate(x, 10, key=5)
+    assert T.absmax(x)[0] == pytest.approx(1000.0 / 32, rel=1e-6)   # 1000 / sqrt(1024) in every entry of its block
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_matches_the_reference_bit_for_bit(bits, n):
+    rng = np.random.default_rng(n + bits)
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+    if n:
+        x[rng.integers(0, n)] = 0.0
+    scale = float(np.abs(x).max()) if n else 0.0
+    for c in (1, 2, 16):
+        lane = T.lane_bits(bits, c)
+        key = 0x1234 + n
+        y = torch.from_numpy(x.copy())
+        words = T.quantize(y, bits, scale, key, lane)
+        q, sent, ref_words = ref_quantize(x, bits, scale, key, lane)
+        assert words.dtype == np.uint64 and np.array_equal(words, ref_words)
+        assert np.array_equal(y.numpy().view(np.uint32), sent.view(np.uint32))
+        L = T.levels(bits)
+        assert q.min(initial=0) >= -L and q.max(initial=0) <= L
+
+
+def test_stochastic_rounding_is_unbiased_and_error_bounded():
+    x = np.full(200000, 0.3, np.float32)
+    y = torch.from_numpy(x.copy())
+    T.quantize(y, 4, 1.0, key=99, lane=T.lane_bits(4, 2))
+    step = 1.0 / 7
+    assert np.all(np.abs(y.numpy() - x) < step + 1e-6)
+    assert abs(float(y.mean()) - 0.3) < 0.002                        # E[q * step] = x
+    assert set(np.round(np.unique(y.numpy()) / step).astype(int)) == {2, 3}   # the two neighbours of 2.1 steps
+
+
+def test_quantize_edges_and_bad_input():
+    lane = T.lane_bits(4, 2)
+    y = torch.tensor([1.0, -1.0, 0.5])
+    words = T.quantize(y, 4, 0.0, key=1, lane=lane)                   # scale 0: every level is zero
+    assert torch.equal(y, torch.zeros(3)) and np.array_equal(T.unpack_sum(words, 3, 4, 1, lane, 0.0).numpy(), np.zeros(3))
+    y = torch.tensor([2.0, -3.0])                                      # beyond the scale: clamped to +-L
+    T.quantize(y, 4, 1.0, key=1, lane=lane)
+    assert y.tolist() == [1.0, -1.0]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.tensor([0.1, bad, 0.2])
+        before = y.clone()
+        with pytest.raises(ValueError, match="stella_thc_quantize"):
+            T.quantize(y, 4, 1.0, key=1, lane=lane)
+        assert torch.equal(y[[0, 2]], before[[0, 2]])                  # nothing written
+    for scale in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="stella_thc_quantize"):
+            T.quantize(torch.ones(3), 4, scale, key=1, lane=lane)
+    with pytest.raises(ValueError, match="stella_thc_quantize"):      # a lane too narrow for one level
+        T.quantize(torch.ones(3), 8, 1.0, key=1, lane=4)
+    with pytest.raises(ValueError, match="stella_thc_quantize"):
+        T.quantize(torch.ones(3), 9, 1.0, key=1, lane=12)
+    with pytest.raises(TypeError):
+        T.quantize(torch.ones(3, dtype=torch.float64), 4, 1.0, key=1, lane=lane)
+
+
+def test_absmax_counts_nonfinite_and_ignores_them():
+    x = torch.tensor([1.0, -7.5, float("nan"), float("inf"), 3.0, -float("inf")])
+    assert T.absmax(x) == (7.5, 3)
+    assert T.absmax(torch.empty(0)) == (0.0, 0)
+    assert T.absmax(torch.tensor([float("nan")])) == (0.0, 1)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("c", [1, 2, 3, 4, 7, 8, 15, 16])
+def test_summed_words_decode_to_the_sum_of_levels(bits, c):
+    """Words of c clusters added as 64-bit integers (what MPI's SUM does) decode to the sum of
+    their levels, also when every cluster sends the extreme level (the lane's largest sum)."""
+    rng = np.random.default_rng(bits * 100 + c)
+    lane = T.lane_bits(bits, c)
+    L = T.levels(bits)
+    for n in (1, 5, 64 // lane, 64 // lane + 1, 1001):
+        scale = 2.5
+        total = np.zeros(n, np.int64)
+        words_sum = np.zeros(T.words_for(n, lane), np.uint64)
+        for r in range(c):
+            x = rng.uniform(-scale, scale, n).astype(np.float32)
+            if r % 2 == 0:
+                x[0] = scale                        # the top level from every other cluster ...
+            x[-1] = scale                           # ... and from all of them at the last entry
+            y = torch.from_numpy(x)
+            with np.errstate(over="ignore"):
+                words_sum = words_sum + T.quantize(y, bits, scale, key=r * 7 + 1, lane=lane)
+            total += ref_quantize(x, bits, scale, r * 7 + 1, lane)[0] + L
+        assert total[-1] == 2 * L * c               # the edge: the largest sum a lane must hold
+        out = T.unpack_sum(words_sum, n, bits, c, lane, scale).numpy()
+        assert np.array_equal(out.view(np.uint32), ref_unpack_sum(total, bits, c, scale).view(np.uint32))
+
+
+def test_unpack_refuses_lanes_out_of_range_and_stray_bits():
+    bits, c = 4, 2
+    lane = T.lane_bits(bits, c)                     # 5 bits: 12 lanes, 4 unused bits per word
+    n = 14                                          # 2 words, the second with 2 lanes used
+    good = T.quantize(torch.zeros(n), bits, 1.0, key=3, lane=lane) * np.uint64(2)
+    assert np.array_equal(T.unpack_sum(good, n, bits, c, lane, 1.0).numpy(), np.zeros(n, np.float32))
+    for word, value in ((0, good[0] | np.uint64(1 << 62)),                    # a bit past the last whole lane
+                        (1, good[1] | np.uint64(1 << (2 * lane))),            # a lane past n
+                        (0, (good[0] & ~np.uint64(31)) | np.uint64(29))):     # a lane above 2 L c = 28
+        bad = good.copy()
+        bad[word] = value
+        with pytest.raises(MalformedPayloadError, match="stella_thc_unpack_sum"):
+            T.unpack_sum(bad, n, bits, c, lane, 1.0)
+    with pytest.raises(ValueError, match="stella_thc_unpack_sum"):   # wrong number of words
+        T.unpack_sum(good[:1], n, bits, c, lane, 1.0)
+    with pytest.raises(ValueError, match="stella_thc_unpack_sum"):   # lanes too narrow for the clusters
+        T.unpack_sum(good, n, bits, 16, lane, 1.0)
+
+
+def test_sizes_near_two_to_the_31():
+    """Sizes alone at 2^31 and beyond: the word count does not overflow (no data allocated)."""
+    for n in (2**31 - 1, 2**31, 2**31 + 1, 2**40):
+        for lane in (3, 5, 9, 12, 32):
+            per = 64 // lane
+            assert T.words_for(n, lane) == -(-n // per)
+    with pytest.raises(ValueError):
+        T.words_for(-1, 5)
+    with pytest.raises(ValueError):
+        T.words_for(10, 33)
