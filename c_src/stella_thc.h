@@ -55,12 +55,13 @@ int stella_thc_rotate(float *x, int64_t n, int block_log2, uint64_t key, int inv
 int stella_thc_absmax(const float *x, int64_t n, float *absmax, int64_t *nonfinite);
 
 /* Step 3 above. scale >= 0 and finite; every x_i finite (STELLA_ERR_ARG otherwise, checked
- * before anything is written); scale 0 gives level L (zero) everywhere. The draw of entry i:
+ * before anything is written); scale 0 gives level L (zero) everywhere. stochastic = 0 rounds
+ * to the nearest level instead (u = 0.5, ties up; key unused). The draw of entry i:
  * h = mix64(key + (i / 2) * 0xd1342543de82ef95), u = (h >> 40) * 2^-24 for even i and
  * ((h >> 16) & 0xffffff) * 2^-24 for odd i. words has room for cap words, at least
  * stella_thc_words(n, lane_bits); lane_bits >= stella_thc_lane_bits(bits, 1). */
-int stella_thc_quantize(float *x, int64_t n, int bits, float scale, uint64_t key, int lane_bits,
-                        uint64_t *words, int64_t cap);
+int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochastic, uint64_t key,
+                        int lane_bits, uint64_t *words, int64_t cap);
 
 /* Step 5 above: words (nwords of them, exactly stella_thc_words(n, lane_bits)) hold the sum
  * of nclusters quantized vectors; out gets n floats. STELLA_ERR_MALFORMED when a lane exceeds

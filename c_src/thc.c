@@ -90,8 +90,8 @@ static inline float draw(uint64_t key, int64_t i) {
     return (float)r * 0x1p-24f;
 }
 
-int stella_thc_quantize(float *x, int64_t n, int bits, float scale, uint64_t key, int lane_bits,
-                        uint64_t *words, int64_t cap) {
+int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochastic, uint64_t key,
+                        int lane_bits, uint64_t *words, int64_t cap) {
     if (n < 0 || !bits_ok(bits) || lane_bits < 1 || lane_bits > 32) return STELLA_ERR_ARG;
     if (!(scale >= 0.0f) || isinf(scale)) return STELLA_ERR_ARG;
     int own;
@@ -115,7 +115,7 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, uint64_t key
         for (int64_t j = 0; j < m; j++) {
             int64_t i = first + j;
             float t = x[i] * inv;
-            t = t + draw(key, i);
+            t = t + (stochastic ? draw(key, i) : 0.5f);
             float f = floorf(t);
             int q = f > (float)L ? L : (f < (float)-L ? -L : (int)f);
             x[i] = (float)q * step;

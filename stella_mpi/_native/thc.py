@@ -48,12 +48,14 @@ def absmax(x):
     return float(m[0]), int(bad[0])
 
 
-def quantize(x, bits, scale, key, lane):
-    """Quantize x in place (it becomes what was sent) and return the packed words (uint64)."""
+def quantize(x, bits, scale, key, lane, stochastic=True):
+    """Quantize x in place (it becomes what was sent) and return the packed words (uint64):
+    stochastic rounding drawn from ``key``, or to the nearest level."""
     p, n = pointer(x, torch.float32, "quantized vector", writable=True)
     words = np.empty(words_for(n, lane), dtype=np.uint64)
     wp, nw = pointer(words, torch.int64, "words", writable=True)
-    check(lib.stella_thc_quantize(p, n, int(bits), float(scale), int(key) & (2**64 - 1), int(lane), wp, nw),
+    check(lib.stella_thc_quantize(p, n, int(bits), float(scale), 1 if stochastic else 0,
+                                  int(key) & (2**64 - 1), int(lane), wp, nw),
           "stella_thc_quantize")
     return words
 

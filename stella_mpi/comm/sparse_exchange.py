@@ -86,7 +86,7 @@ def _decode_from(hier, comp, piece, ctx, n, kind, index, name):
         return comp.decode(piece, ctx, n)
     except ValueError as e:
         raise PeerPayloadError("rank %d sent a malformed payload for %r (step %d): %s"
-                               % (_sender_rank(hier, kind, index), name, ctx.step, e)) from None
+                               % (sender_rank(hier, kind, index), name, ctx.step, e)) from None
 
 
 def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
@@ -157,7 +157,7 @@ def choose_algorithm(setting, nclusters, payload_bytes):
     return "allgather"
 
 
-def _sender_rank(hier, kind, index):
+def sender_rank(hier, kind, index):
     """World rank behind position ``index`` of the shard (or leader) communicator."""
     topo = hier.topo
     members = topo.cluster_members[index]

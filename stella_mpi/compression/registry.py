@@ -4,6 +4,7 @@ from .cacheaware import CacheAwareCompressor
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .randomk import RandomKCompressor
 from .threshold import ThresholdCompressor
+from .thc import THCCompressor
 from .topk import TopKCompressor
 
 BUILT_IN = {
@@ -14,6 +15,7 @@ BUILT_IN = {
     "cacheaware": CacheAwareCompressor,
     "threshold": ThresholdCompressor,
     "randomk": RandomKCompressor,
+    "thc": THCCompressor,
 }
 _REGISTRY = dict(BUILT_IN)
 
@@ -62,7 +64,8 @@ class _CompressionNamespace(type):
 
 class Compression(metaclass=_CompressionNamespace):
     """Horovod's ``hvd.Compression``: ``none``, ``fp16`` as before, plus ``bf16`` and every
-    registered sparse compressor (``Compression.cacheaware(density=0.01)``)."""
+    registered cross-cluster compressor (``Compression.cacheaware(density=0.01)``,
+    ``Compression.thc(bits=4)``)."""
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor

@@ -61,6 +61,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     state.current("hvd.DistributedOptimizer")
     if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
         raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
+    if getattr(compression, "homomorphic", False):
+        _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below)
     if adjuster is not None and not getattr(compression, "sparse", False):
         raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
                          "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
@@ -105,6 +107,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster, momentum_correction,
                density_warmup, dense_below, local_clip)
+
+
+def _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below):
+    """Compression.thc sends every entry, quantized, summed on the wire: what tunes or relies
+    on a sparse selection has no meaning for it (say so rather than ignore the argument)."""
+    what = "DistributedOptimizer(compression=%r)" % compression
+    if density_warmup or dense_below:
+        raise ValueError("%s: density_warmup and dense_below tune a sparse density; thc sends every entry" % what)
+    if momentum_correction:
+        raise ValueError("%s: momentum_correction corrects for entries a sparse selection holds back; thc holds "
+                         "none back (its rounding error is fed back as it is)" % what)
+    if adjuster is not None:
+        raise ValueError("%s: the adjuster tunes a sparse density; it does not choose thc's bits yet" % what)
+    if engine is not None:
+        raise ValueError("%s: the CPU engine updates its master shards from the sparse selection; thc's sum is "
+                         "dense, use engine=None" % what)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

@@ -28,7 +28,7 @@ static void test_sum_of_clusters(int bits, int nclusters, int64_t n) {
     for (int c = 0; c < nclusters; c++) {
         for (int64_t i = 0; i < n; i++) x[i] = uniform(-scale, scale);
         if (n) x[n - 1] = scale; /* every cluster at the top level: the largest lane sum */
-        CHECK_EQ_INT(stella_thc_quantize(x, n, bits, scale, 77u + (uint64_t)c, lane, w, nw), STELLA_OK);
+        CHECK_EQ_INT(stella_thc_quantize(x, n, bits, scale, 1, 77u + (uint64_t)c, lane, w, nw), STELLA_OK);
         for (int64_t i = 0; i < n; i++) sent[i] += x[i] * (float)L / scale; /* the level, exactly */
         for (int64_t k = 0; k < nw; k++) sum[k] += w[k];
     }
@@ -73,20 +73,20 @@ static void test_argument_checks(void) {
     CHECK_EQ_INT(stella_thc_rotate(x, 4, STELLA_THC_MAX_BLOCK_LOG2 + 1, 1u, 0), STELLA_ERR_ARG);
     CHECK_EQ_INT(stella_thc_rotate(NULL, 4, 2, 1u, 0), STELLA_ERR_NULL);
     CHECK_EQ_INT(stella_thc_absmax(x, 4, &m, NULL), STELLA_ERR_NULL);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1u, 5, w, 0), STELLA_ERR_SIZE);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1u, 5, NULL, 1), STELLA_ERR_NULL);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, NAN, 1u, 5, w, 1), STELLA_ERR_ARG);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, INFINITY, 1u, 5, w, 1), STELLA_ERR_ARG);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, -1.0f, 1u, 5, w, 1), STELLA_ERR_ARG);
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 8, 1.0f, 1u, 5, w, 1), STELLA_ERR_ARG); /* lane < one level */
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1, 1u, 5, w, 0), STELLA_ERR_SIZE);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1, 1u, 5, NULL, 1), STELLA_ERR_NULL);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, NAN, 1, 1u, 5, w, 1), STELLA_ERR_ARG);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, INFINITY, 1, 1u, 5, w, 1), STELLA_ERR_ARG);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, -1.0f, 1, 1u, 5, w, 1), STELLA_ERR_ARG);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 8, 1.0f, 1, 1u, 5, w, 1), STELLA_ERR_ARG); /* lane < one level */
     x[2] = NAN;
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1u, 5, w, 1), STELLA_ERR_ARG);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1, 1u, 5, w, 1), STELLA_ERR_ARG);
     CHECK(x[0] == 0.5f); /* nothing written */
     CHECK_EQ_INT(stella_thc_absmax(x, 4, &m, &bad), STELLA_OK);
     CHECK(m == 0.5f);
     CHECK_EQ_INT(bad, 1);
     x[2] = 0.25f;
-    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1u, 5, w, 1), STELLA_OK);
+    CHECK_EQ_INT(stella_thc_quantize(x, 4, 4, 1.0f, 1, 1u, 5, w, 1), STELLA_OK);
     CHECK_EQ_INT(stella_thc_unpack_sum(w, 1, 4, 4, 1, 5, 1.0f, out), STELLA_OK);
     CHECK_EQ_INT(stella_thc_unpack_sum(w, 2, 4, 4, 1, 5, 1.0f, out), STELLA_ERR_SIZE);
     CHECK_EQ_INT(stella_thc_unpack_sum(w, 1, 4, 4, 16, 5, 1.0f, out), STELLA_ERR_ARG);
@@ -94,7 +94,7 @@ static void test_argument_checks(void) {
     CHECK_EQ_INT(stella_thc_unpack_sum(&stray, 1, 4, 4, 1, 5, 1.0f, out), STELLA_ERR_MALFORMED);
     uint64_t high = (w[0] & ~31ull) | 15ull; /* lane 0 = 15 > 2 L = 14 */
     CHECK_EQ_INT(stella_thc_unpack_sum(&high, 1, 4, 4, 1, 5, 1.0f, out), STELLA_ERR_MALFORMED);
-    CHECK_EQ_INT(stella_thc_quantize(NULL, 0, 4, 1.0f, 1u, 5, NULL, 0), STELLA_OK); /* empty */
+    CHECK_EQ_INT(stella_thc_quantize(NULL, 0, 4, 1.0f, 1, 1u, 5, NULL, 0), STELLA_OK); /* empty */
     CHECK_EQ_INT(stella_thc_unpack_sum(NULL, 0, 0, 4, 1, 5, 1.0f, NULL), STELLA_OK);
 }
 

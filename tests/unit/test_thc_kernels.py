@@ -57,13 +57,14 @@ def ref_draws(n, key):
     return r.astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def ref_quantize(x, bits, scale, key, lane):
+def ref_quantize(x, bits, scale, key, lane, stochastic=True):
     """(levels q, what was sent, packed words) in the kernel's float32 sequence."""
     L = (1 << (bits - 1)) - 1
     x = x.astype(np.float32)
     scale = np.float32(scale)
     inv = np.float32(L) / scale if scale > 0 else np.float32(0)
-    t = (x * inv).astype(np.float32) + ref_draws(x.size, key)
+    u = ref_draws(x.size, key) if stochastic else np.full(x.size, 0.5, np.float32)
+    t = (x * inv).astype(np.float32) + u
     q = np.clip(np.floor(t.astype(np.float32)), -L, L).astype(np.int64)
     sent = q.astype(np.float32) * (scale / np.float32(L))
     return q, sent, ref_pack(q + L, lane)
@@ -127,12 +128,12 @@ def test_quantize_matches_the_reference_bit_for_bit(bits, n):
     if n:
         x[rng.integers(0, n)] = 0.0
     scale = float(np.abs(x).max()) if n else 0.0
-    for c in (1, 2, 16):
+    for c, stochastic in ((1, True), (2, True), (16, True), (2, False), (16, False)):
         lane = T.lane_bits(bits, c)
         key = 0x1234 + n
         y = torch.from_numpy(x.copy())
-        words = T.quantize(y, bits, scale, key, lane)
-        q, sent, ref_words = ref_quantize(x, bits, scale, key, lane)
+        words = T.quantize(y, bits, scale, key, lane, stochastic=stochastic)
+        q, sent, ref_words = ref_quantize(x, bits, scale, key, lane, stochastic)
         assert words.dtype == np.uint64 and np.array_equal(words, ref_words)
         assert np.array_equal(y.numpy().view(np.uint32), sent.view(np.uint32))
         L = T.levels(bits)
@@ -147,6 +148,9 @@ def test_stochastic_rounding_is_unbiased_and_error_bounded():
     assert np.all(np.abs(y.numpy() - x) < step + 1e-6)
     assert abs(float(y.mean()) - 0.3) < 0.002                        # E[q * step] = x
     assert set(np.round(np.unique(y.numpy()) / step).astype(int)) == {2, 3}   # the two neighbours of 2.1 steps
+    y = torch.from_numpy(x.copy())
+    T.quantize(y, 4, 1.0, key=99, lane=T.lane_bits(4, 2), stochastic=False)
+    assert torch.equal(y, torch.full_like(y, float(np.float32(2.0) * (np.float32(1.0) / np.float32(7)))))  # nearest
 
 
 def test_quantize_edges_and_bad_input():

@@ -1,10 +1,12 @@
-"""Executor of ``hvd.allreduce(..., compression=<sparse>)`` and of DistributedOptimizer's
-sparse buckets: dense inside each cluster, compressed across clusters."""
+"""Executor of ``hvd.allreduce(..., compression=<sparse or thc>)`` and of DistributedOptimizer's
+sparse buckets: dense inside each cluster, compressed across clusters (selection with error
+feedback, comm/sparse_exchange.py, or homomorphic quantization, comm/thc_exchange.py)."""
 import time
 
 import torch
 
 from ...comm.sparse_exchange import sparse_cross_step
+from ...comm.thc_exchange import thc_cross_step
 from ...compression.memory import Memory
 from ...compression.registry import get_factory
 from ..fusion import fuse, unfuse
@@ -38,8 +40,9 @@ def _sparse_allreduce(pset, desc, inputs):
         buf.mul_(scale)
     else:
         mem = memory if comp.error_feedback else None
-        hier.reduce_across_clusters(buf, "sum", sparse_cross_step(hier, comp, mem, desc["name"], desc["step"],
-                                                                 desc["seed"], scale))
+        # the route across clusters: homomorphic quantization (summed on the wire) or selection
+        step = thc_cross_step if getattr(comp, "homomorphic", False) else sparse_cross_step
+        hier.reduce_across_clusters(buf, "sum", step(hier, comp, mem, desc["name"], desc["step"], desc["seed"], scale))
     if not direct:
         unfuse(buf, outputs)
     hier.stats.add(engine_s=time.perf_counter() - started)

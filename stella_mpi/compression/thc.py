@@ -1,0 +1,152 @@
+"""THC-style homomorphic quantization of the cross-cluster hop (the computation; the MPI step
+is :mod:`stella_mpi.comm.thc_exchange`).
+
+Every cluster quantizes its shard with one scale agreed by all clusters (the largest |entry|
+after an optional randomized Hadamard rotation), rounding to ``bits`` bits, and
+packs the levels into integer lanes wide enough to hold the sum over every cluster. The lanes
+of all clusters are then summed as plain 64-bit integers along MPI's reduce-scatter/all-gather:
+no cluster decodes and re-encodes at a hop, and the bytes each rank sends do not grow with the
+number of clusters (only the lane width does, by one bit per doubling of it). With error
+feedback, what rounding left out (acc minus what was sent, rotated back) is added to the next
+step's shard, as on the sparse route.
+
+Three calls, in order, per shard: :meth:`THCCompressor.begin` (error feedback, rotation, the
+local largest |entry|), :meth:`THCCompressor.quantize` (with the agreed scale: the words to
+sum), :meth:`THCCompressor.finish` (the summed words decoded, validated, rotated back; the
+residual updated). The kernels are c_src/thc.c (numpy references in tests/unit)."""
+from dataclasses import dataclass
+
+import torch
+
+from .._native import compress as sparse_kernels
+from .._native import thc as kernels
+from .contracts import Compressor, TensorContext
+
+__all__ = ["THCCompressor", "THCWork"]
+
+_RANK_SALT = 0x7468632D726F756E   # keeps each rank's rounding draws apart from every other's
+
+
+@dataclass
+class THCWork:
+    """One shard between the three calls: acc (shard + residual, in the shard's own memory),
+    the rotated copy that becomes what this rank sent, and the local largest |entry|."""
+    ctx: TensorContext
+    acc: torch.Tensor
+    rotated: torch.Tensor
+    absmax: float
+    nonfinite: int
+
+
+class THCCompressor(Compressor):
+    """``hvd.Compression.thc(bits=4)``: homomorphic quantization on the cross-cluster hop.
+
+    bits: 2 to 8 (levels q in [-L, L], L = 2**(bits-1) - 1; 2 bits send -1, 0 or +1 times the
+    scale). rotation: a randomized Hadamard rotation of blocks of 2**block_log2 entries before
+    quantizing (spreads outliers; the same signs on every rank and step). error_feedback: keep
+    what rounding left out and add it to the next step's shard. rounding: "stochastic"
+    (unbiased: E[sent] = acc) or "nearest"; by default nearest with error feedback and
+    stochastic without. Measured (2 clusters, 4096 entries, constant input, 40 steps): with
+    error feedback nearest rounding had the lower error at 2, 4 and 8 bits, and at 2 bits
+    stochastic rounding let the scale grow 8x (a rounding error up to one whole step, fed back,
+    raises the next step's largest |entry|) where nearest kept it at the input's.
+
+    Like the sparse compressors it works only across clusters, on float32 sums or averages,
+    with a residual per tensor name; unlike them it sends every entry (no density to tune)."""
+    name = "thc"
+    sparse = True        # takes the compressed WAN route of hvd.allreduce and DistributedOptimizer
+    homomorphic = True   # its words are summed on the wire (comm/thc_exchange.py), never decoded at a hop
+
+    def __init__(self, bits=4, rotation=True, block_log2=10, error_feedback=True, rounding=None):
+        if not isinstance(bits, int) or isinstance(bits, bool) or not kernels.MIN_BITS <= bits <= kernels.MAX_BITS:
+            raise ValueError("Compression.thc: bits must be an integer in [%d, %d], got %r"
+                             % (kernels.MIN_BITS, kernels.MAX_BITS, bits))
+        if not isinstance(block_log2, int) or not 1 <= block_log2 <= kernels.MAX_BLOCK_LOG2:
+            raise ValueError("Compression.thc: block_log2 must be an integer in [1, %d], got %r"
+                             % (kernels.MAX_BLOCK_LOG2, block_log2))
+        if rounding is None:
+            rounding = "nearest" if error_feedback else "stochastic"
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError("Compression.thc: rounding must be 'stochastic' or 'nearest', got %r" % (rounding,))
+        self.bits = bits
+        self.rotation = bool(rotation)
+        self.block_log2 = block_log2
+        self.error_feedback = bool(error_feedback)
+        self.rounding = rounding
+
+    def __repr__(self):
+        return "THCCompressor(bits=%d, rotation=%s, block_log2=%d, error_feedback=%s, rounding=%r)" % (
+            self.bits, self.rotation, self.block_log2, self.error_feedback, self.rounding)
+
+    def settings(self):
+        return (self.name, self.bits, self.rotation, self.block_log2, self.error_feedback, self.rounding)
+
+    @classmethod
+    def from_settings(cls, settings):
+        name, bits, rotation, block_log2, error_feedback, rounding = settings
+        return cls(bits=bits, rotation=rotation, block_log2=block_log2, error_feedback=error_feedback,
+                   rounding=rounding)
+
+    def compress(self, tensor):
+        raise TypeError("thc works on the cross-cluster hop only (hvd.allreduce with a name, or DistributedOptimizer)")
+
+    def decompress(self, tensor, ctx):
+        raise TypeError("thc works on the cross-cluster hop only (hvd.allreduce with a name, or DistributedOptimizer)")
+
+    def levels(self):
+        return kernels.levels(self.bits)
+
+    def lane_bits(self, nclusters):
+        return kernels.lane_bits(self.bits, nclusters)
+
+    def wire_bytes(self, numel, nclusters):
+        """Bytes of one rank's words for ``numel`` entries among ``nclusters`` clusters."""
+        return 8 * kernels.words_for(numel, self.lane_bits(nclusters))
+
+    def _rotation_key(self, ctx):
+        return sparse_kernels.randomk_key(ctx.seed, ctx.name + "#thc-rotation", 0)
+
+    def _rounding_key(self, ctx, rank):
+        return sparse_kernels.randomk_key(ctx.seed ^ (_RANK_SALT * (rank + 1)), ctx.name + "#thc-rounding", ctx.step)
+
+    def begin(self, flat, ctx, memory=None):
+        """acc = flat + residual (in place in ``flat``, a CPU float32 vector); its rotated copy
+        and largest finite |entry| (NaN/Inf counted, not measured)."""
+        if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
+            raise ValueError("THCCompressor.begin takes a contiguous CPU float32 vector")
+        flat = flat.view(-1)
+        if memory is not None:
+            res = memory.residual(ctx.name, flat.numel(), "cpu")
+            flat.add_(res)
+        rotated = flat.clone()
+        if self.rotation:
+            kernels.rotate(rotated, self.block_log2, self._rotation_key(ctx))
+        absmax, nonfinite = kernels.absmax(rotated)
+        return THCWork(ctx, flat, rotated, absmax, nonfinite)
+
+    def quantize(self, work, scale, nclusters, rank):
+        """The words this rank adds (uint64 numpy); ``work.rotated`` becomes what it sent."""
+        return kernels.quantize(work.rotated, self.bits, scale, self._rounding_key(work.ctx, rank),
+                                self.lane_bits(nclusters), stochastic=self.rounding == "stochastic")
+
+    def finish(self, work, words, nclusters, scale, memory=None):
+        """The sum over clusters, decoded from the summed ``words`` into ``work.acc``'s memory
+        (MalformedPayloadError when a lane is out of range), rotated back; the residual becomes
+        acc minus what this rank sent."""
+        n = work.acc.numel()
+        sent = work.rotated
+        if self.rotation:
+            kernels.rotate(sent, self.block_log2, self._rotation_key(work.ctx), inverse=True)
+        if memory is not None:
+            torch.sub(work.acc, sent, out=memory.residual(work.ctx.name, n, "cpu"))
+        out = kernels.unpack_sum(words, n, self.bits, nclusters, self.lane_bits(nclusters), scale, out=work.acc)
+        if self.rotation:
+            kernels.rotate(out, self.block_log2, self._rotation_key(work.ctx), inverse=True)
+        return out
+
+    def skip_nonfinite(self, work, memory=None):
+        """A NaN or Inf on some cluster: nothing was sent, so acc stays in the residual, its
+        non-finite entries set to zero (they must not stay there forever)."""
+        if memory is not None:
+            res = memory.residual(work.ctx.name, work.acc.numel(), "cpu")
+            torch.where(torch.isfinite(work.acc), work.acc, torch.zeros_like(work.acc), out=res)
