@@ -12,7 +12,8 @@ same --seconds of training wall-clock, evaluating the held-out loss every --eval
 steps), "dense" (stella_mpi's hierarchical allreduce), "d0.001", "d0.01", "d0.1" (stella's sparse
 route at that fixed density), "adapt" (hvd.Adjuster between --min-density and --max-density),
 "local8" / "diloco8" (hvd.LocalSteps every 8 steps, model averaging / outer Nesterov) and
-"local8+sparse" (local steps with 1 % sparse pseudo-gradients). The sparse modes use
+"local8+sparse" (local steps with 1 % sparse pseudo-gradients), "thc4" / "thc2" (Compression.thc at 4
+or 2 bits on every step) and "local8+thc" (local steps, 4-bit THC pseudo-gradients). The sparse modes use
 --compressor (cache-aware by default) with error feedback. --preset 13 (the default) runs issue
 13's set, --preset 14 issue 14's.
 
@@ -47,10 +48,14 @@ MODES = {
     "local8": ["--mode", "local:8"],
     "diloco8": ["--mode", "diloco:8"],
     "local8+sparse": ["--mode", "local:8:{c}", "--density", "0.01"],
+    "thc4": ["--mode", "sparse:thc", "--bits", "4"],
+    "thc2": ["--mode", "sparse:thc", "--bits", "2"],
+    "local8+thc": ["--mode", "local:8:thc", "--bits", "4"],
 }
 PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers
     "13": ("ddp", "dense") + FIXED + ("adapt",),
-    "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse"),
+    "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse", "thc4",
+           "local8+thc"),
 }
 STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "local8+sparse"}
 

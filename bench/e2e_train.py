@@ -3,7 +3,7 @@ the same model, data, seed and steps under PyTorch DDP (gloo, flat over all rank
 users have today; "powersgd" and "postlocal:H" add torch's PowerSGD hook and post-local SGD) or
 under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, a sparse
 compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>",
-or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]").
+or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]"; <compressor> "thc" takes --bits).
 
 Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
 Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
@@ -121,6 +121,7 @@ def main():
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
@@ -162,7 +163,10 @@ def main():
         if kind in ("local", "diloco"):   # local:H[:compressor]: model averaging or DiLoCo's outer Nesterov
             every, _, comp_name = comp_name.partition(":")
             local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov")
-        comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
+        if comp_name == "thc":
+            comp = hvd.Compression.thc(bits=args.bits)
+        else:
+            comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
         adjuster = None
         if kind in ("adapt", "cpuadapt"):
             adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target)

@@ -35,19 +35,39 @@ static void apply_signs(float *x, int64_t start, int64_t len, uint64_t key) {
     while (g < end) {
         uint64_t bits = stella_mix64(key ^ (uint64_t)(g >> 6));
         int64_t stop = (g | 63) + 1 < end ? (g | 63) + 1 : end;
-        for (; g < stop; g++)
-            if ((bits >> (g & 63)) & 1u) x[g - start] = -x[g - start];
+        for (; g < stop; g++) /* branch-free: the draw's bit flips the sign bit */
+            x[g - start] = stella_u2f(stella_f2u(x[g - start]) ^ ((uint32_t)((bits >> (g & 63)) & 1u) << 31));
     }
 }
 
-static void fwht(float *x, int64_t len, float norm) {
-    for (int64_t h = 1; h < len; h <<= 1)
-        for (int64_t i = 0; i < len; i += 2 * h)
-            for (int64_t j = i; j < i + h; j++) {
-                float a = x[j], b = x[j + h];
-                x[j] = a + b;
-                x[j + h] = a - b;
+/* The first three levels of the transform on 8 consecutive entries, in registers. */
+static inline void fwht8(float *x) {
+    float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
+    float a4 = x[4] + x[5], a5 = x[4] - x[5], a6 = x[6] + x[7], a7 = x[6] - x[7];
+    float b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;
+    float b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
+    x[0] = b0 + b4; x[4] = b0 - b4; x[1] = b1 + b5; x[5] = b1 - b5;
+    x[2] = b2 + b6; x[6] = b2 - b6; x[3] = b3 + b7; x[7] = b3 - b7;
+}
+
+/* Walsh-Hadamard transform of len = 2^k entries (natural order), times norm. The butterflies
+ * of each level are the textbook ones (a + b, a - b); the first three levels run on 8 entries
+ * at a time, the later ones on contiguous runs the compiler vectorizes. */
+static void fwht(float *restrict x, int64_t len, float norm) {
+    int64_t h = 1;
+    if (len >= 8) {
+        for (int64_t i = 0; i < len; i += 8) fwht8(x + i);
+        h = 8;
+    }
+    for (; h < len; h <<= 1)
+        for (int64_t i = 0; i < len; i += 2 * h) {
+            float *restrict lo = x + i, *restrict hi = x + i + h;
+            for (int64_t j = 0; j < h; j++) {
+                float a = lo[j], b = hi[j];
+                lo[j] = a + b;
+                hi[j] = a - b;
             }
+        }
     for (int64_t j = 0; j < len; j++) x[j] *= norm;
 }
 
@@ -116,8 +136,10 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochast
             int64_t i = first + j;
             float t = x[i] * inv;
             t = t + (stochastic ? draw(key, i) : 0.5f);
-            float f = floorf(t);
-            int q = f > (float)L ? L : (f < (float)-L ? -L : (int)f);
+            /* floor(t) by truncation and a correction (|t| <= L + 1: no overflow; no libm call) */
+            int q = (int)t;
+            q -= (float)q > t;
+            q = q > L ? L : (q < -L ? -L : q);
             x[i] = (float)q * step;
             word |= (uint64_t)(q + L) << (j * lane_bits);
         }
