@@ -57,6 +57,7 @@ PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communicatio
     "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse", "thc4",
            "local8+thc"),
 }
+TORCH_PEERS = ("ddp", "powersgd", "postlocal8")
 STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "local8+sparse"}
 
 
@@ -120,6 +121,20 @@ def summarize(runs, target_loss):
             row["vs_ddp"] = (ddp / t) if (t and ddp) else None             # > 1: sooner than DDP
             row["vs_best_fixed"] = (t / best_fixed) if (t and best_fixed) else None   # <= 1: no later
         table[rate] = {"target_loss": target, "best_fixed_s": best_fixed, "modes": rows}
+        # issue 14's yardstick: the best torch peer's final loss, and how much sooner each stella
+        # mode reaches it than that peer first did
+        peers = [m for m in TORCH_PEERS if m in rows and not rows[m].get("error")]
+        if peers:
+            peer = min(peers, key=lambda m: rows[m]["final_loss"])
+            loss = rows[peer]["final_loss"]
+            t_peer = time_to(modes[peer]["curve"], loss)
+            table[rate]["best_peer"] = {"mode": peer, "final_loss": loss, "time_s": t_peer}
+            for mode, row in rows.items():
+                if mode in TORCH_PEERS or row.get("error"):
+                    continue
+                t = time_to(modes[mode]["curve"], loss)
+                row["to_peer_loss_s"] = t
+                row["peer_time_over_this"] = (t_peer / t) if (t and t_peer) else None   # >= 1.5: the target
     return table
 
 
@@ -143,6 +158,16 @@ def print_table(table, seconds):
                 "%.1f s" % tt if tt is not None else "not reached",
                 "%.2fx" % row["vs_ddp"] if row["vs_ddp"] else "-",
                 "%.2f" % row["vs_best_fixed"] if row["vs_best_fixed"] else "-"))
+        peer = t.get("best_peer")
+        if peer:
+            print("best torch peer: %s, final loss %.4f (first reached at %s); stella modes to that loss:"
+                  % (peer["mode"], peer["final_loss"], "%.1f s" % peer["time_s"] if peer["time_s"] else "-"))
+            for mode, row in t["modes"].items():
+                if "to_peer_loss_s" in row:
+                    tt = row["to_peer_loss_s"]
+                    print("  %-14s %12s %s" % (mode, "%.1f s" % tt if tt is not None else "not reached",
+                                               "(%.1fx sooner)" % row["peer_time_over_this"]
+                                               if row["peer_time_over_this"] else ""))
 
 
 def plot(runs, table, path):

@@ -55,7 +55,8 @@ int stella_thc_rotate(float *x, int64_t n, int block_log2, uint64_t key, int inv
 int stella_thc_absmax(const float *x, int64_t n, float *absmax, int64_t *nonfinite);
 
 /* Step 3 above. scale >= 0 and finite; every x_i finite (STELLA_ERR_ARG otherwise, checked
- * before anything is written); scale 0 gives level L (zero) everywhere. stochastic = 0 rounds
+ * before anything is written); scale 0, or one so small that L / scale overflows, gives
+ * level L (zero) everywhere; |x| beyond the scale is clamped to the extreme level. stochastic = 0 rounds
  * to the nearest level instead (u = 0.5, ties up; key unused). The draw of entry i:
  * h = mix64(key + (i / 2) * 0xd1342543de82ef95), u = (h >> 40) * 2^-24 for even i and
  * ((h >> 16) & 0xffffff) * 2^-24 for odd i. words has room for cap words, at least

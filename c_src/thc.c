@@ -125,7 +125,8 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochast
     for (int64_t i = 0; i < n; i++)
         if ((stella_f2u(x[i]) & 0x7fffffffu) >= 0x7f800000u) return STELLA_ERR_ARG;
     const int L = levels_of(bits);
-    const float inv = scale > 0.0f ? (float)L / scale : 0.0f;
+    float inv = scale > 0.0f ? (float)L / scale : 0.0f;
+    if (isinf(inv)) inv = 0.0f; /* a scale below L / FLT_MAX: every level zero (all stays in the residual) */
     const float step = scale / (float)L;
     const int64_t lanes = 64 / lane_bits;
     for (int64_t w = 0; w < need; w++) {
@@ -136,7 +137,9 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochast
             int64_t i = first + j;
             float t = x[i] * inv;
             t = t + (stochastic ? draw(key, i) : 0.5f);
-            /* floor(t) by truncation and a correction (|t| <= L + 1: no overflow; no libm call) */
+            /* |x| beyond the scale: clamp first, so the cast below is defined */
+            t = t > (float)(L + 1) ? (float)(L + 1) : (t < (float)(-L - 1) ? (float)(-L - 1) : t);
+            /* floor(t) by truncation and a correction (no libm call) */
             int q = (int)t;
             q -= (float)q > t;
             q = q > L ? L : (q < -L ? -L : q);

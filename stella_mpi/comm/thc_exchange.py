@@ -10,7 +10,9 @@ shard it owns after the intra-cluster reduce-scatter (or the leaders, on the who
     shard = sum * scale
 
 The words of every cluster have the same length, so each rank moves about 2 (C-1)/C times its
-words whatever the number of clusters C; the sparse all-gather moves C-1 payloads."""
+words (as counted: the ring volume; MPI picks its own algorithm), plus one lane bit per
+doubling of the number of clusters C; the sparse all-gather moves C-1 payloads. The lane check
+catches words out of range, not every corruption: a peer can still send wrong levels."""
 import time
 
 import numpy as np
@@ -22,6 +24,9 @@ from ..base import timeline
 from ..base.devices import route_for
 from ..compression import TensorContext
 from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _ring_bytes(nbytes, nclusters):
@@ -45,10 +50,11 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     agreed = np.array([work.absmax, 1.0 if work.nonfinite else 0.0], dtype=np.float64)
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX), "THC scale of %r" % key)
     scale, nonfinite = float(agreed[0]), bool(agreed[1])
-    if not (np.isfinite(scale) and scale >= 0.0 and agreed[1] in (0.0, 1.0)):
+    if not (np.isfinite(scale) and 0.0 <= scale <= FLOAT32_MAX and float(np.float32(scale)) == scale
+            and agreed[1] in (0.0, 1.0)):
         raise PeerPayloadError("THC scale of %r (step %d): the clusters' ranks %s agreed on (%r, %r), not a finite "
                                "scale and a flag; a peer sent garbage" % (key, step, _ranks(hier, comm, kind), scale, agreed[1]))
-    if nonfinite:   # some cluster holds a NaN or Inf: nothing is sent, the sum is not finite
+    if nonfinite:   # some cluster holds a NaN or Inf (the executor refuses the result): nothing is sent
         comp.skip_nonfinite(work, memory)
         host.fill_(float("nan"))
         hier.stats.add(wan_bytes_sent=16, wan_bytes_received=16, wan_messages=1)

@@ -5,8 +5,9 @@ Every cluster quantizes its shard with one scale agreed by all clusters (the lar
 after an optional randomized Hadamard rotation), rounding to ``bits`` bits, and
 packs the levels into integer lanes wide enough to hold the sum over every cluster. The lanes
 of all clusters are then summed as plain 64-bit integers along MPI's reduce-scatter/all-gather:
-no cluster decodes and re-encodes at a hop, and the bytes each rank sends do not grow with the
-number of clusters (only the lane width does, by one bit per doubling of it). With error
+no cluster decodes and re-encodes at a hop. The bytes each rank sends grow only with the
+allreduce's 2 (C-1)/C and by one lane bit per doubling of the clusters C (the sparse
+all-gather's grow with C - 1; bench/bench_thc_bytes.py). With error
 feedback, what rounding left out (acc minus what was sent, rotated back) is added to the next
 step's shard, as on the sparse route.
 
@@ -61,7 +62,7 @@ class THCCompressor(Compressor):
         if not isinstance(bits, int) or isinstance(bits, bool) or not kernels.MIN_BITS <= bits <= kernels.MAX_BITS:
             raise ValueError("Compression.thc: bits must be an integer in [%d, %d], got %r"
                              % (kernels.MIN_BITS, kernels.MAX_BITS, bits))
-        if not isinstance(block_log2, int) or not 1 <= block_log2 <= kernels.MAX_BLOCK_LOG2:
+        if not isinstance(block_log2, int) or isinstance(block_log2, bool) or not 1 <= block_log2 <= kernels.MAX_BLOCK_LOG2:
             raise ValueError("Compression.thc: block_log2 must be an integer in [1, %d], got %r"
                              % (kernels.MAX_BLOCK_LOG2, block_log2))
         if rounding is None:

@@ -61,8 +61,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     state.current("hvd.DistributedOptimizer")
     if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
         raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
-    if getattr(compression, "homomorphic", False):
-        _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below)
     if adjuster is not None and not getattr(compression, "sparse", False):
         raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
                          "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
@@ -70,6 +68,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("engine must be None or 'cpu', not %r" % (engine,))
     if momentum_correction not in (False, True, "masking"):
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
+    if getattr(compression, "homomorphic", False):
+        _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below)
     if (density_warmup or dense_below) and (engine is not None or op == Adasum):
         raise ValueError("density_warmup and dense_below apply to the synchronous optimizer's sparse route "
                          "(engine=None, op Average or Sum)")

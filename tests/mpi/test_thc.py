@@ -54,19 +54,23 @@ def _multi_cluster():
     return hvd.global_process_set.topology.num_clusters > 1
 
 
-@pytest.mark.parametrize("bits,rotation", [(2, True), (4, True), (8, False), (4, False)])
-def test_thc_equals_the_reference_pipeline_bit_for_bit(bits, rotation):
+@pytest.mark.parametrize("bits,rotation,rounding", [(2, True, "nearest"), (4, True, "nearest"), (8, False, "nearest"),
+                                                    (4, False, "nearest"), (4, True, "stochastic"),
+                                                    (2, False, "stochastic")])
+def test_thc_equals_the_reference_pipeline_bit_for_bit(bits, rotation, rounding):
+    """Also stochastic rounding: each cluster's shard owner draws from its own key (its position
+    among the clusters), which the reference reproduces."""
     n = 3000
-    name = "thc.ref.%d.%s" % (bits, rotation)
+    name = "thc.ref.%d.%s.%s" % (bits, rotation, rounding)
     x = _exact_input(hvd.rank(), n, seed=bits)
-    comp = hvd.Compression.thc(bits=bits, rotation=rotation, block_log2=7)
+    comp = hvd.Compression.thc(bits=bits, rotation=rotation, block_log2=7, rounding=rounding)
     got = hvd.allreduce(x, compression=comp, name=name, op=hvd.Average)
     _same_everywhere(got)
     inputs = _gather(x)
     if not _multi_cluster():   # one cluster: no WAN, the dense average
         torch.testing.assert_close(got, sum(inputs) / hvd.size())
         return
-    want = _reference(inputs, THCCompressor(bits=bits, rotation=rotation, block_log2=7), name, 0,
+    want = _reference(inputs, THCCompressor(bits=bits, rotation=rotation, block_log2=7, rounding=rounding), name, 0,
                       state.current().config.seed, 1.0 / hvd.size())
     assert torch.equal(got, want)
     # and within the rounding bound of the true average: each cluster's levels are off by less
@@ -137,6 +141,22 @@ def test_thc_nan_is_refused_everywhere_and_leaves_no_nan_behind():
     _same_everywhere(after)
 
 
+def test_thc_sum_that_overflows_is_refused_everywhere():
+    """An input that passes the finiteness check but overflows in the rotation (an entry beyond
+    about 3e35 with blocks of 1024) gives a sum that is not finite: refused on every rank alike,
+    and the ranks go on."""
+    n = 4096
+    comp = hvd.Compression.thc(bits=4)
+    x = _exact_input(hvd.rank(), n, seed=9)
+    big = x.clone()
+    big[100] = 3e38 if hvd.rank() == 0 else 0.0
+    if _multi_cluster():
+        with pytest.raises(NonFiniteGradientError, match="THC sum"):
+            hvd.allreduce(big, compression=comp, name="thc.overflow", op=hvd.Sum)
+    after = hvd.allreduce(x, compression=comp, name="thc.overflow.after")
+    _same_everywhere(after)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -164,16 +184,39 @@ def _train(steps, **kwargs):
     return model, losses
 
 
+def _crosses():
+    """Whether this rank takes the cross-cluster step (between clusters of unequal size only the
+    leaders do)."""
+    topo = hvd.global_process_set.topology
+    return _multi_cluster() and (topo.uniform_clusters or topo.cluster_rank == 0)
+
+
+def _counting(comp):
+    """The compressor, its quantize() counting calls (the route really went through it)."""
+    calls = []
+    quantize = comp.quantize
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return quantize(*args, **kwargs)
+    comp.quantize = counted
+    return comp, calls
+
+
 def test_thc_trains_through_distributed_optimizer():
     dense, dense_losses = _train(30)
-    model, losses = _train(30, compression=hvd.Compression.thc(bits=4))
+    comp, calls = _counting(hvd.Compression.thc(bits=4))
+    model, losses = _train(30, compression=comp)
+    assert (len(calls) >= 30) == _crosses()
     assert losses[-1] < losses[0]
     assert abs(losses[-1] - dense_losses[-1]) < 0.02 * dense_losses[-1]   # measured: 1.0549 vs dense 1.0552
 
 
 def test_thc_carries_the_pseudo_gradient_of_local_steps():
-    model, losses = _train(12, compression=hvd.Compression.thc(bits=8), local_steps=hvd.LocalSteps(every=3))
+    comp, calls = _counting(hvd.Compression.thc(bits=8))
+    model, losses = _train(12, compression=comp, local_steps=hvd.LocalSteps(every=3))
     assert losses[-1] < losses[0]
+    assert (len(calls) >= 4) == _crosses()   # 12 steps / 3: four exchanges of the pseudo-gradient
 
 
 def test_thc_refuses_what_has_no_meaning_for_it():

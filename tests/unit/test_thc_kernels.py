@@ -62,7 +62,10 @@ def ref_quantize(x, bits, scale, key, lane, stochastic=True):
     L = (1 << (bits - 1)) - 1
     x = x.astype(np.float32)
     scale = np.float32(scale)
-    inv = np.float32(L) / scale if scale > 0 else np.float32(0)
+    with np.errstate(over="ignore"):
+        inv = np.float32(L) / scale if scale > 0 else np.float32(0)
+    if np.isinf(inv):
+        inv = np.float32(0)
     u = ref_draws(x.size, key) if stochastic else np.full(x.size, 0.5, np.float32)
     t = (x * inv).astype(np.float32) + u
     q = np.clip(np.floor(t.astype(np.float32)), -L, L).astype(np.int64)
@@ -158,9 +161,14 @@ def test_quantize_edges_and_bad_input():
     y = torch.tensor([1.0, -1.0, 0.5])
     words = T.quantize(y, 4, 0.0, key=1, lane=lane)                   # scale 0: every level is zero
     assert torch.equal(y, torch.zeros(3)) and np.array_equal(T.unpack_sum(words, 3, 4, 1, lane, 0.0).numpy(), np.zeros(3))
-    y = torch.tensor([2.0, -3.0])                                      # beyond the scale: clamped to +-L
+    y = torch.tensor([2.0, -3.0, 3e38, -3e38])                         # beyond the scale: clamped to +-L
     T.quantize(y, 4, 1.0, key=1, lane=lane)
-    assert y.tolist() == [1.0, -1.0]
+    assert y.tolist() == [1.0, -1.0, 1.0, -1.0]
+    tiny = np.float32(1e-44)                                           # subnormal: L / scale overflows
+    x = np.array([tiny, -tiny, 0.0], np.float32)
+    y = torch.from_numpy(x.copy())
+    words = T.quantize(y, 8, float(tiny), key=1, lane=T.lane_bits(8, 1))
+    assert torch.equal(y, torch.zeros(3)) and np.array_equal(words, ref_quantize(x, 8, tiny, 1, T.lane_bits(8, 1))[2])
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = torch.tensor([0.1, bad, 0.2])
         before = y.clone()
@@ -240,3 +248,30 @@ def test_sizes_near_two_to_the_31():
         T.words_for(-1, 5)
     with pytest.raises(ValueError):
         T.words_for(10, 33)
+
+
+def test_compressor_keeps_the_finite_part_when_a_cluster_has_nan():
+    """The compressor's side of a step some cluster refused: nothing was sent, so acc stays in
+    the residual with its NaN/Inf entries zeroed (they must not stay there forever)."""
+    from stella_mpi.compression import Memory, TensorContext, THCCompressor
+    comp, mem = THCCompressor(bits=4), Memory()
+    ctx = TensorContext(name="w", step=0, shape=(2048,))
+    mem.residual("w", 2048).fill_(0.5)
+    x = torch.ones(2048)
+    x[3], x[9] = float("nan"), float("inf")
+    work = comp.begin(x, ctx, mem)
+    assert work.nonfinite > 0
+    comp.skip_nonfinite(work, mem)
+    res = mem.get("w")
+    assert torch.isfinite(res).all() and res[3] == 0 and res[9] == 0 and res[0] == 1.5
+
+
+def test_compressor_settings_round_trip_and_refusals():
+    from stella_mpi.compression import THCCompressor
+    for kw in ({}, {"bits": 2, "rotation": False}, {"bits": 8, "error_feedback": False}, {"rounding": "stochastic"}):
+        c = THCCompressor(**kw)
+        assert THCCompressor.from_settings(c.settings()).settings() == c.settings()
+    assert THCCompressor(error_feedback=False).rounding == "stochastic" and THCCompressor().rounding == "nearest"
+    for kw in ({"bits": 1}, {"bits": 9}, {"bits": True}, {"block_log2": 0}, {"block_log2": True}, {"rounding": "up"}):
+        with pytest.raises(ValueError, match="Compression.thc"):
+            THCCompressor(**kw)
