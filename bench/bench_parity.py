@@ -1,7 +1,7 @@
 """Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
 byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
 (top-k and cache-aware at 1 %, momentum correction, masking, density warm-up, dense small tensors,
-local gradient clipping (--local-clip, the global max norm),
+local gradient clipping (--local-clip, the global max norm), THC at 2, 4 and 8 bits,
 the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
 
     .venv/bin/python bench/bench_parity.py                                 # the convergence test's setting
@@ -36,6 +36,9 @@ VARIANTS = {   # name: train_horovod.py options
     "topk+clip": ["--compression", "topk", "--local-clip", "CLIP"],
     "topk+mc+clip": ["--compression", "topk", "--momentum-correction", "on", "--local-clip", "CLIP"],
     "cacheaware+mc+clip": ["--compression", "cacheaware", "--momentum-correction", "on", "--local-clip", "CLIP"],
+    "thc2": ["--compression", "thc", "--bits", "2"],
+    "thc4": ["--compression", "thc", "--bits", "4"],
+    "thc8": ["--compression", "thc", "--bits", "8"],
     "cpu0:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"],
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
     "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],

@@ -25,8 +25,10 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--compression", default="none",
-                        help="none, fp16, bf16, or a sparse WAN compressor: topk, cacheaware, threshold, randomk")
+                        help="none, fp16, bf16, a sparse WAN compressor (topk, cacheaware, threshold, randomk), "
+                             "or thc (homomorphic quantization, --bits)")
     parser.add_argument("--density", type=float, default=0.01, help="fraction sent across clusters (sparse)")
+    parser.add_argument("--bits", type=int, default=4, help="thc: bits per entry across clusters (2 to 8)")
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
@@ -72,6 +74,8 @@ def main():
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     if args.compression in ("none", "fp16", "bf16"):
         compression = getattr(hvd.Compression, args.compression)
+    elif args.compression == "thc":
+        compression = hvd.Compression.thc(bits=args.bits, error_feedback=not args.no_error_feedback)
     else:
         compression = getattr(hvd.Compression, args.compression)(
             density=args.density, error_feedback=not args.no_error_feedback)

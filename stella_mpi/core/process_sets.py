@@ -23,6 +23,7 @@ class ProcessSet:
         self.process_set_id = None
         self._mpi_comm = None
         self.ranks = None
+        self.nonfinite_policy = "skip"   # set from the config when the set is built
         if ranks_or_comm is None:
             pass
         elif isinstance(ranks_or_comm, MPI.Comm):
@@ -47,6 +48,7 @@ class ProcessSet:
             raise ValueError("process set ranks %s are outside 0..%d" % (self.ranks, world.Get_size() - 1))
         self.is_global = is_global
         self._world_rank = world_rank
+        self.nonfinite_policy = config.nonfinite   # what an executor does with a sum that is not finite
         if world_rank not in self.ranks:
             return
         self.deadline = Deadline(config.timeout_s, world_rank, peers=world_ranks(world, self.ranks))

@@ -74,6 +74,26 @@ def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
             _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_thc_allreduce_with_error_feedback(device_route, bits):
+    """Compression.thc on device tensors: the shard crosses to the host for the C kernels and the
+    WAN and comes back; results and residuals (kept on the host) equal the host route's bits."""
+    mem_h, mem_d = Memory(), Memory()
+    comp = hvd.Compression.thc(bits=bits)
+    for step in range(3):
+        xs = [rank_input(hvd.rank(), (n,), torch.float32, seed=13 * step + n) for n in (5000, 77)]
+        tag = "dev.thc.%d" % bits
+        host = hvd.synchronize(hvd.compressed_allreduce_async(xs, comp, tag, memory=mem_h, step=step))
+        dev = device_route(lambda d: hvd.synchronize(hvd.compressed_allreduce_async(
+            [x.to(d) for x in xs], comp, tag, memory=mem_d, step=step)))
+        for i, (h, g) in enumerate(zip(host, dev)):
+            assert g.device.type == DEV.type
+            _same(h, g, "thc %d bits step %d tensor %d" % (bits, step, i))
+        assert mem_h.names() == mem_d.names()
+        for key in mem_h.names():
+            _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
+
+
 def _same_runs(host, dev, what):
     """Two runs' per-step lists of tensors, equal bit for bit."""
     assert len(host) == len(dev)

@@ -10,7 +10,6 @@ from ...comm.thc_exchange import thc_cross_step
 from ...compression.memory import Memory
 from ...compression.registry import get_factory
 from ...base.errors import NonFiniteGradientError
-from .. import state
 from ..fusion import fuse, unfuse
 from ..nonfinite import has_nonfinite
 from .dense import neutral_device, on_device
@@ -46,7 +45,7 @@ def _sparse_allreduce(pset, desc, inputs):
         # the route across clusters: homomorphic quantization (summed on the wire) or selection
         step = thc_cross_step if getattr(comp, "homomorphic", False) else sparse_cross_step
         hier.reduce_across_clusters(buf, "sum", step(hier, comp, mem, desc["name"], desc["step"], desc["seed"], scale))
-        if step is thc_cross_step and state.current().config.nonfinite != "off" and has_nonfinite([buf]):
+        if step is thc_cross_step and pset.nonfinite_policy != "off" and has_nonfinite([buf]):
             # every rank holds the same sum, so every rank refuses alike (an input that passed
             # the check but overflowed in the rotation, beyond about 3e35 at the default block)
             raise NonFiniteGradientError("%s: the THC sum over clusters is not finite (an entry overflowed); "
