@@ -142,6 +142,10 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
                         ("density_warmup", density_warmup), ("dense_below", dense_below)):
         if value:
             raise ValueError("%s: %s applies to the gradient route, not to local steps" % (what, name))
+    if local_steps.overlap and compression is not Compression.none:
+        raise ValueError("%s: overlap=True sends the pseudo-gradient over its own communicator, outside the "
+                         "collective thread, uncompressed; pass compression=hvd.Compression.none (or overlap=False "
+                         "to exchange it through %r)" % (what, compression))
     if getattr(compression, "sparse", False):
         for group in optimizer.param_groups:
             for p in group["params"]:

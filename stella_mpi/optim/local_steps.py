@@ -24,21 +24,47 @@ the clusters' velocities follows the same recursion as the velocity of the mean 
 Optimizers with a non-linear update (Adam) keep a per-cluster state and are not equivalent, as in
 DiLoCo (there, the inner optimizer is AdamW by design).
 
-Not built (yet): overlapping the outer exchange of one period with the next period's local
-steps. The CPU engine is refused: it keeps its master copy and optimizer state in shards
-spread over the ranks of all clusters, which a cluster-local step cannot update alone.
+``overlap=True`` hides the exchange behind the next period's local steps and applies it one
+period late. At the end of period k each rank launches the exchange of its pseudo-gradient
+``delta_k = anchor - params`` and trains on; at the end of period k+1 it waits for the mean
+``avg_k``, and then, the same on every rank:
+
+    anchor' = outer(anchor, avg_k)                (the formulas above)
+    params  = anchor' + (params - (anchor - delta_k))   its cluster's progress since the launch kept
+    anchor  = anchor'
+
+and launches ``delta_{k+1} = anchor - params`` (that progress). Every rank computes the same
+anchor; a rank's parameters are the anchor plus its own cluster's last period, so the clusters
+never hold quite the same parameters: ``opt.sync_clusters()`` completes the exchange in flight
+and runs one more, blocking, after which every rank holds the anchor (call it before evaluating
+or saving a model that must be the same everywhere). A checkpoint leaves the exchange in flight
+out: restored, that period's progress simply goes into the next exchange. The exchange runs on
+its own communicator (a duplicate of the shard or leader communicator, made on the collective
+thread) with MPI's non-blocking allreduce, outside the collective thread, so the next period's
+intra-cluster reductions do not queue behind it: each cluster's ranks send one shard each (the
+pseudo-gradient is the same inside a cluster), weighted by cluster size, and all-gather the mean
+inside the cluster. It takes compression none (float32; float64 parameters go as float64).
+
+The CPU engine is refused: it keeps its master copy and optimizer state in shards spread over
+the ranks of all clusters, which a cluster-local step cannot update alone.
 """
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
+from mpi4py import MPI
 
+from ..api.allgather import allgather
 from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
+from ..api.broadcast import broadcast
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average
+from ..comm.buffers import mpi_view, split_counts
 from ..core import state
+from ..core.collective_thread import Op
 from ..core.process_sets import ProcessSet, global_process_set
 
 OUTERS = ("average", "nesterov")
@@ -54,11 +80,14 @@ class LocalSteps:
     outer: "average" (model averaging: ``outer_lr`` and ``outer_momentum`` are not used) or
         "nesterov" (DiLoCo: Nesterov SGD on the averaged pseudo-gradient).
     outer_lr, outer_momentum: the outer optimizer's (DiLoCo uses 0.7 and 0.9).
+    overlap: hide each exchange behind the next period's local steps and apply it one period
+        late (see the module's documentation; compression none only).
     """
     every: int
     outer: str = "average"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    overlap: bool = False
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -70,6 +99,8 @@ class LocalSteps:
             raise ValueError("LocalSteps: outer_lr must be > 0, got %r" % (self.outer_lr,))
         if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
             raise ValueError("LocalSteps: outer_momentum must be in [0, 1), got %r" % (self.outer_momentum,))
+        if not isinstance(self.overlap, bool):
+            raise ValueError("LocalSteps: overlap must be True or False, got %r" % (self.overlap,))
 
 
 class LocalStepsState:
@@ -110,6 +141,84 @@ class LocalStepsState:
                          for n, t in sd["momentum"].items()}
 
 
+class OuterChannel:
+    """The overlapped exchange's own communicator and the one exchange in flight.
+
+    Uniform clusters: rank i of every cluster owns shard i of the flat pseudo-gradient and
+    allreduces it (weighted by cluster size) with the owners of shard i in the other clusters;
+    the mean is then all-gathered inside the cluster. Clusters of unequal size: the cluster
+    leaders allreduce the whole buffer and broadcast it inside their cluster."""
+
+    def __init__(self, name):
+        self.name = name
+        self.pset = global_process_set
+        topo = self.pset.topology
+        self.uniform = topo.uniform_clusters
+        self.weight = topo.cluster_size / self.pset.size()
+        self.pending = None
+
+        def dup(pset, desc, inputs, joined):   # on the collective thread: no other collective runs
+            comms = pset.comms
+            base = comms.shard if self.uniform else comms.leaders
+            return base.Dup() if base is not None and base != MPI.COMM_NULL else None
+
+        rt = state.current("hvd.LocalSteps(overlap=True)")
+        self.comm = synchronize(rt.collective_thread.submit(
+            Op("local_steps_channel", name + ".channel", {"kind": "local_steps_channel", "name": name + ".channel"},
+               (), dup, self.pset)))
+
+    def launch(self, delta):
+        """Start the exchange of the flat pseudo-gradient ``delta`` (kept until :meth:`wait`)."""
+        topo = self.pset.topology
+        if self.uniform:
+            counts = split_counts(delta.numel(), topo.cluster_size)
+            start = sum(counts[:topo.cluster_rank])
+            send = delta[start:start + counts[topo.cluster_rank]] * self.weight
+        else:
+            counts = None
+            send = delta * self.weight
+        recv = torch.empty_like(send)
+        req = None
+        if self.comm is not None:
+            req = self.comm.Iallreduce(mpi_view(send), mpi_view(recv), op=MPI.SUM)
+        pacer = self.pset.hierarchy.pacer
+        nclusters = topo.num_clusters
+        moved = send.numel() * send.element_size() * (1 if nclusters == 2 else 2 * (nclusters - 1) / nclusters)
+        # with user-space WAN emulation the result counts as arrived once the link could carry it
+        ready_at = time.monotonic() + (moved * 8 / pacer.bps + pacer.delay_s if pacer.bps > 0 else 0.0)
+        if self.comm is not None:
+            self.pset.hierarchy.stats.add(wan_bytes_sent=int(moved), wan_bytes_received=int(moved), wan_messages=1)
+        self.pending = (req, send, recv, counts, delta, ready_at)
+
+    def wait(self):
+        """The mean pseudo-gradient of the exchange in flight (flat, on every rank), and the
+        delta this rank sent. Collective inside each cluster (the gather or broadcast)."""
+        req, send, recv, counts, delta, ready_at = self.pending
+        self.pending = None
+        if req is not None:
+            self.pset.deadline.wait(req, "overlapped outer exchange of local steps (%s)" % self.name)
+        left = ready_at - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        topo = self.pset.topology
+        cluster = cluster_process_set()
+        if topo.cluster_size == 1:
+            return recv, delta
+        if self.uniform:
+            return allgather(recv, name=self.name + ".gather", process_set=cluster), delta
+        leader = global_process_set.ranks[topo.cluster_members[topo.cluster_id][0]]
+        return broadcast(recv, root_rank=leader, name=self.name + ".bcast", process_set=cluster), delta
+
+    def drop(self):
+        """Complete the exchange in flight and forget it (its period's progress goes into the
+        next exchange). Touches no other rank: the exchange was launched everywhere."""
+        if self.pending is not None:
+            req = self.pending[0]
+            self.pending = None
+            if req is not None:
+                self.pset.deadline.wait(req, "overlapped outer exchange of local steps (%s)" % self.name)
+
+
 def cluster_process_set():
     """This rank's cluster as a process set (registered once: every rank registers every
     cluster's set, in cluster order, the first time; later calls find them)."""
@@ -134,6 +243,7 @@ class LocalStepsMixin:
         self._ls_compression = outer_compression
         self._ls_named = [(self._names[p], p) for p in self._params]
         self._ls_name = "local_steps.%d.delta" % next(_instances)
+        self._ls_channel = OuterChannel(self._ls_name) if settings.overlap else None
 
     def step(self, closure=None):
         if not self._ls.anchor:
@@ -141,11 +251,72 @@ class LocalStepsMixin:
         loss = super().step(closure)
         self._ls.local_steps += 1
         if self._ls.local_steps >= self._ls.settings.every:
-            self._outer_step()
+            if self._ls_channel is not None:
+                self._overlapped_outer_step()
+            else:
+                self._outer_step()
         return loss
 
-    def _outer_step(self):
+    def _outer_update(self, name, anchor, avg):
+        """The outer optimizer: the new anchor from the old one and the mean pseudo-gradient."""
         s = self._ls.settings
+        if s.outer == "average":
+            return anchor - avg
+        m = self._ls.momentum.get(name)
+        if m is None:
+            m = self._ls.momentum[name] = torch.zeros_like(avg)
+        m.mul_(s.outer_momentum).add_(avg)
+        return anchor - s.outer_lr * (avg + s.outer_momentum * m)
+
+    def _flat_delta(self):
+        wide = any(p.dtype == torch.float64 for _, p in self._ls_named)
+        dtype = torch.float64 if wide else torch.float32
+        return torch.cat([(self._ls.anchor[n] - p.detach()).reshape(-1).to("cpu", dtype) for n, p in self._ls_named])
+
+    def _apply_pending(self, no_progress=False):
+        """Wait for the exchange in flight and apply it one period late (module documentation).
+        ``no_progress``: nothing was trained since the launch, so the parameters become the new
+        anchor exactly (the same bits on every rank)."""
+        avg, sent = self._ls_channel.wait()
+        offset = 0
+        with torch.no_grad():
+            for name, p in self._ls_named:
+                n = p.numel()
+                anchor = self._ls.anchor[name]
+                a = avg[offset:offset + n].view_as(p).to(p.device, anchor.dtype)
+                d = sent[offset:offset + n].view_as(p).to(p.device, anchor.dtype)
+                offset += n
+                new = self._outer_update(name, anchor, a)
+                if no_progress:
+                    p.copy_(new)
+                else:
+                    p.add_(new - anchor + d)          # = new + (p - (anchor - d))
+                anchor.copy_(new)
+        self._ls.exchanges += 1
+
+    def _overlapped_outer_step(self):
+        if self._ls_channel.pending is not None:
+            self._apply_pending()
+        self._ls_channel.launch(self._flat_delta())
+        self._ls.local_steps = 0
+
+    def sync_clusters(self):
+        """Make every rank hold the same parameters now: with ``overlap``, complete the exchange
+        in flight and run one more, blocking; without, run the exchange of the steps since the
+        last one (if any). Collective: every rank calls it at the same step."""
+        if self._ls_channel is None:
+            if self._ls.local_steps:
+                self._outer_step()
+            return
+        if not self._ls.anchor:
+            return
+        if self._ls_channel.pending is not None:
+            self._apply_pending()
+        self._ls_channel.launch(self._flat_delta())
+        self._apply_pending(no_progress=True)
+        self._ls.local_steps = 0
+
+    def _outer_step(self):
         comp = self._ls_compression
         deltas = [(self._ls.anchor[name] - p.detach()).contiguous() for name, p in self._ls_named]
         if getattr(comp, "sparse", False):   # one fused buffer, one error-feedback residual per shard
@@ -157,15 +328,7 @@ class LocalStepsMixin:
         with torch.no_grad():
             for (name, p), avg in zip(self._ls_named, avgs):
                 anchor = self._ls.anchor[name]
-                avg = avg.to(anchor.dtype)
-                if s.outer == "average":
-                    p.copy_(anchor - avg)
-                else:
-                    m = self._ls.momentum.get(name)
-                    if m is None:
-                        m = self._ls.momentum[name] = torch.zeros_like(avg)
-                    m.mul_(s.outer_momentum).add_(avg)
-                    p.copy_(anchor - s.outer_lr * (avg + s.outer_momentum * m))
+                p.copy_(self._outer_update(name, anchor, avg.to(anchor.dtype)))
                 anchor.copy_(p)
         self._ls.local_steps = 0
         self._ls.exchanges += 1
@@ -178,6 +341,8 @@ class LocalStepsMixin:
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         saved = state_dict.pop("stella_local_steps", None)
+        if self._ls_channel is not None:
+            self._ls_channel.drop()   # its period's progress goes into the next exchange
         if saved is not None:
             self._ls.load_state_dict(saved, self._ls_named)
         else:   # a checkpoint without local steps: a new period starts from the loaded parameters
@@ -187,5 +352,7 @@ class LocalStepsMixin:
     def _stella_sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state on every rank (the
         counters decide when the clusters meet, so they must agree)."""
+        if self._ls_channel is not None:
+            self._ls_channel.drop()
         mine = self._ls.state_dict() if rank() == root_rank else None
         self._ls.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"), self._ls_named)

@@ -360,6 +360,90 @@ def test_local_steps_nesterov_matches_a_reference():
     _assert_same_everywhere(nes_model)
 
 
+def _overlapped_reference(steps, every, outer, lr=0.7, mu=0.9):
+    """LocalSteps(overlap=True) simulated in this process, one model per cluster: each steps on
+    the mean gradient of its ranks' batches; at each period's end the exchange launched one
+    period earlier is applied (new anchor; each cluster keeps its progress since the launch) and
+    the next one is launched (optim/local_steps.py)."""
+    topo = hvd.global_process_set.topology
+    clusters = topo.cluster_members
+    models = [_model() for _ in clusters]
+    opts = [_sgd(m) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    pending = None
+    for step in range(steps):
+        for m, o, members in zip(models, opts, clusters):
+            o.zero_grad()
+            for r in members:
+                x, y = _batch(r, step)
+                (torch.nn.functional.cross_entropy(m(x), y) / len(members)).backward()
+            o.step()
+        if (step + 1) % every:
+            continue
+        if pending is not None:
+            new = []
+            for i, a in enumerate(anchor):
+                avg = sum(len(members) * d[i] for d, members in zip(pending, clusters)) / hvd.size()
+                if outer == "average":
+                    new.append(a - avg)
+                else:
+                    momentum[i] = mu * momentum[i] + avg
+                    new.append(a - lr * (avg + mu * momentum[i]))
+            with torch.no_grad():
+                for m, d in zip(models, pending):
+                    for p, a, nw, di in zip(m.parameters(), anchor, new, d):
+                        p.add_(nw - a + di)
+            anchor = new
+        pending = [[a - p.detach().clone() for a, p in zip(anchor, m.parameters())] for m in models]
+    return models, anchor
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_local_steps_overlapped_exchange_is_applied_one_period_late(outer):
+    """overlap=True against the one-process reference of its rule; the anchor is the same on
+    every rank; sync_clusters() then leaves every rank with the same parameters."""
+    topo = hvd.global_process_set.topology
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(),
+        local_steps=hvd.LocalSteps(every=2, outer=outer, outer_lr=0.7, outer_momentum=0.9, overlap=True)), 7)
+    models, anchor = _overlapped_reference(7, 2, outer)
+    for p, q in zip(model.parameters(), models[topo.cluster_id].parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    for (name, _), a in zip(model.named_parameters(), anchor):
+        torch.testing.assert_close(opt._ls.anchor[name], a, rtol=1e-5, atol=1e-6)
+        everyone = hvd.allgather(opt._ls.anchor[name].unsqueeze(0), name="ls.anchor." + name)
+        assert all(torch.equal(everyone[r], everyone[0]) for r in range(hvd.size()))
+    assert opt._ls.exchanges == 2 and opt._ls_channel.pending is not None   # launched at steps 2, 4, 6
+    opt.sync_clusters()
+    assert opt._ls_channel.pending is None and opt._ls.exchanges == 4
+    _assert_same_everywhere(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), opt._ls.anchor[name])
+
+
+def test_local_steps_overlap_checkpoints_without_waiting_on_the_others():
+    """state_dict() on one rank alone (Horovod's checkpoint pattern) does not wait for the other
+    ranks; a restored optimizer drops the exchange in flight (its period goes into the next one)
+    and the clusters still meet at the same steps."""
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(), local_steps=hvd.LocalSteps(every=2, overlap=True)), 4)
+    assert opt._ls_channel.pending is not None
+    saved = opt.state_dict() if hvd.rank() == 0 else None
+    if hvd.rank() == 0:
+        assert saved["stella_local_steps"]["exchanges"] == 1
+    saved = hvd.broadcast_object(saved, root_rank=0, name="ls.overlap.ckpt")
+    opt.load_state_dict(saved)
+    assert opt._ls_channel.pending is None
+    for step in range(4, 8):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+
+
 def test_local_steps_refusals():
     model = _model()
     ls = hvd.LocalSteps(every=2)
@@ -367,8 +451,12 @@ def test_local_steps_refusals():
                       (dict(compression=hvd.Compression.topk(0.1), adjuster=hvd.Adjuster()), "adjuster")):
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), local_steps=ls, **kw)
+    with pytest.raises(ValueError, match="overlap=True sends the pseudo-gradient"):
+        hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                 compression=hvd.Compression.topk(0.1),
+                                 local_steps=hvd.LocalSteps(every=2, overlap=True))
     for bad, match in ((dict(every=0), "every"), (dict(every=2, outer="adam"), "outer"),
-                       (dict(every=2, outer_momentum=1.0), "outer_momentum")):
+                       (dict(every=2, outer_momentum=1.0), "outer_momentum"), (dict(every=2, overlap=1), "overlap")):
         with pytest.raises(ValueError, match=match):
             hvd.LocalSteps(**bad)
 
