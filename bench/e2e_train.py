@@ -121,6 +121,7 @@ def main():
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--overlap", action="store_true", help="local:H / diloco:H: LocalSteps(overlap=True)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
@@ -162,7 +163,8 @@ def main():
         local_steps = None
         if kind in ("local", "diloco"):   # local:H[:compressor]: model averaging or DiLoCo's outer Nesterov
             every, _, comp_name = comp_name.partition(":")
-            local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov")
+            local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov",
+                                         overlap=args.overlap)
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
         else:

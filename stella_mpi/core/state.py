@@ -74,6 +74,7 @@ class Runtime:
         self.sparse_memory = Memory()   # error-feedback residuals of hvd.allreduce(..., compression=sparse)
         self.sparse_steps = {}          # name -> steps taken by hvd.allreduce(..., compression=sparse)
         self.auto_names = AutoNames()   # the counters that name unnamed collectives
+        self.closers = []               # called at shutdown before the communicators are freed
         global_process_set.ranks = list(range(self.size))
         self._build(global_process_set, is_global=True)
         global_process_set.process_set_id = 0
@@ -161,6 +162,8 @@ class Runtime:
 
     def close(self):
         self.collective_thread.stop(self.config.timeout_s)
+        for close in self.closers:   # (e.g. an overlapped local-steps exchange still in flight)
+            close()
         timeline.stop()
         with Deadline(self.config.timeout_s, self.rank).guard("hvd.shutdown(): freeing the communicators"):
             for ps in list(self.process_sets.values()):

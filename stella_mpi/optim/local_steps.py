@@ -166,6 +166,14 @@ class OuterChannel:
         self.comm = synchronize(rt.collective_thread.submit(
             Op("local_steps_channel", name + ".channel", {"kind": "local_steps_channel", "name": name + ".channel"},
                (), dup, self.pset)))
+        rt.closers.append(self.close)
+
+    def close(self):
+        """At hvd.shutdown(): complete the exchange in flight and free the communicator."""
+        self.drop()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
 
     def launch(self, delta):
         """Start the exchange of the flat pseudo-gradient ``delta`` (kept until :meth:`wait`)."""
