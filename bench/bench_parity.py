@@ -1,7 +1,8 @@
 """Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
 byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
 (top-k and cache-aware at 1 %, momentum correction, masking, density warm-up, dense small tensors,
-local gradient clipping (--local-clip, the global max norm), THC at 2, 4 and 8 bits,
+local gradient clipping (--local-clip, the global max norm), THC at 2, 4 and 8 bits, local
+steps every 8 (model averaging, DiLoCo, with top-k or THC pseudo-gradients),
 the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
 
     .venv/bin/python bench/bench_parity.py                                 # the convergence test's setting
@@ -39,6 +40,10 @@ VARIANTS = {   # name: train_horovod.py options
     "thc2": ["--compression", "thc", "--bits", "2"],
     "thc4": ["--compression", "thc", "--bits", "4"],
     "thc8": ["--compression", "thc", "--bits", "8"],
+    "local8": ["--compression", "none", "--local-steps", "8"],
+    "diloco8": ["--compression", "none", "--local-steps", "8", "--outer", "nesterov"],
+    "local8+topk": ["--compression", "topk", "--local-steps", "8"],
+    "local8+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "8"],
     "cpu0:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"],
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
     "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],

@@ -48,6 +48,11 @@ def main():
                         help="tensors of fewer elements go dense; the others' density keeps the bytes")
     parser.add_argument("--momentum-correction", choices=["off", "on", "masking"], default="off",
                         help="DGC's momentum correction on the sparse route (SGD with momentum)")
+    parser.add_argument("--local-steps", type=int, default=0,
+                        help="H > 0: hvd.LocalSteps(every=H): clusters exchange the pseudo-gradient every H steps "
+                             "(through --compression)")
+    parser.add_argument("--outer", choices=["average", "nesterov"], default="average",
+                        help="--local-steps: model averaging or DiLoCo's outer Nesterov")
     parser.add_argument("--local-clip", type=float, default=None,
                         help="DGC's local gradient clipping: each rank's gradient to norm C / sqrt(size) before the "
                              "reduction")
@@ -89,6 +94,10 @@ def main():
                                              stale_prediction=False if args.no_stale_prediction else None,
                                              model=model, momentum_correction={"off": False, "on": True}.get(
                                                  args.momentum_correction, args.momentum_correction))
+    elif args.local_steps:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression,
+                                             local_steps=hvd.LocalSteps(every=args.local_steps, outer=args.outer))
     else:
         mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
