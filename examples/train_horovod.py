@@ -158,6 +158,8 @@ def main():
                 next_eval += args.eval_seconds
             if args.engine == "cpu":
                 optimizer.drain()   # the updates in flight into the model before evaluating
+            if last_step and args.local_steps:
+                optimizer.sync_clusters()   # one model on every rank before the final evaluation
             curve.append((elapsed, step, avg, held_out_loss()))
             t_mark, s_mark = time.perf_counter(), elapsed   # evaluation time does not count
             t_last += t_mark - now
