@@ -189,7 +189,19 @@ def main():
         if hvd and args.mode.startswith("cpu"):
             opt.drain()   # the updates in flight into the model first
         with torch.no_grad():
-            return MPI.COMM_WORLD.allreduce(torch.nn.functional.cross_entropy(model(vx), vy).item()) / size
+            if hvd and hasattr(opt, "consensus_parameters") and opt.consensus_parameters():
+                # local steps: the model the clusters last agreed on (one model, the same everywhere,
+                # with or without overlap), swapped in for the evaluation only
+                mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+                agreed = opt.consensus_parameters()
+                for n, p in model.named_parameters():
+                    p.copy_(agreed[n])
+                loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
+                for n, p in model.named_parameters():
+                    p.copy_(mine[n])
+            else:
+                loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
+            return MPI.COMM_WORLD.allreduce(loss) / size
 
     records, reached, curve = [], None, []
     MPI.COMM_WORLD.Barrier()

@@ -59,11 +59,12 @@ def _tell(ranks, where):
     world = MPI.COMM_WORLD
     msg = np.frombuffer(json.dumps({"rank": world.Get_rank(), "host": socket.gethostname(), "pid": os.getpid(),
                                     "where": str(where)[:MAX_TEXT]}).encode(), dtype=np.uint8).copy()
-    for r in ranks:
-        if r not in _told:
-            _told.add(r)
-            _sends.append((world.Isend([msg, MPI.BYTE], dest=r, tag=TAG), msg))
-    _sends[:] = [(req, buf) for req, buf in _sends if not req.Test()]
+    with _lock:   # (the training thread waits on MPI too: LocalSteps(overlap=True))
+        for r in ranks:
+            if r not in _told:
+                _told.add(r)
+                _sends.append((world.Isend([msg, MPI.BYTE], dest=r, tag=TAG), msg))
+        _sends[:] = [(req, buf) for req, buf in _sends if not req.Test()]
 
 
 def _receive_pending():

@@ -38,7 +38,10 @@ anchor; a rank's parameters are the anchor plus its own cluster's last period, s
 never hold quite the same parameters: ``opt.sync_clusters()`` completes the exchange in flight
 and runs one more, blocking, after which every rank holds the anchor (call it before evaluating
 or saving a model that must be the same everywhere). A checkpoint leaves the exchange in flight
-out: restored, that period's progress simply goes into the next exchange. The exchange runs on
+out: a rank that restores its own checkpoint puts that period's progress into the next exchange,
+so nothing is lost; restoring rank 0's checkpoint everywhere (Horovod's pattern) replaces the
+other clusters' last one to two periods by cluster 0's: call ``sync_clusters()`` before such a
+checkpoint. The exchange runs on
 its own communicator (a duplicate of the shard or leader communicator, made on the collective
 thread) with MPI's non-blocking allreduce, outside the collective thread, so the next period's
 intra-cluster reductions do not queue behind it: each cluster's ranks send one shard each (the
@@ -156,11 +159,18 @@ class OuterChannel:
         self.uniform = topo.uniform_clusters
         self.weight = topo.cluster_size / self.pset.size()
         self.pending = None
+        self.closed = False
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ValueError("hvd.LocalSteps(overlap=True) waits on MPI from the training thread while the collective "
+                             "thread runs: it needs MPI_THREAD_MULTIPLE (MPI was initialized with less)")
 
         def dup(pset, desc, inputs, joined):   # on the collective thread: no other collective runs
             comms = pset.comms
             base = comms.shard if self.uniform else comms.leaders
-            return base.Dup() if base is not None and base != MPI.COMM_NULL else None
+            if base is None or base == MPI.COMM_NULL:
+                return None
+            with pset.deadline.guard("duplicating the communicator of %s" % name):
+                return base.Dup()
 
         rt = state.current("hvd.LocalSteps(overlap=True)")
         self.comm = synchronize(rt.collective_thread.submit(
@@ -170,13 +180,18 @@ class OuterChannel:
 
     def close(self):
         """At hvd.shutdown(): complete the exchange in flight and free the communicator."""
-        self.drop()
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
+        self.closed = True
+        try:
+            self.drop()
+        finally:
+            if self.comm is not None:
+                self.comm.Free()
+                self.comm = None
 
     def launch(self, delta):
         """Start the exchange of the flat pseudo-gradient ``delta`` (kept until :meth:`wait`)."""
+        if self.closed:
+            raise RuntimeError("hvd.LocalSteps(overlap=True): the runtime this optimizer was built on has shut down")
         topo = self.pset.topology
         if self.uniform:
             counts = split_counts(delta.numel(), topo.cluster_size)
@@ -252,11 +267,13 @@ class LocalStepsMixin:
         self._ls_named = [(self._names[p], p) for p in self._params]
         self._ls_name = "local_steps.%d.delta" % next(_instances)
         self._ls_channel = OuterChannel(self._ls_name) if settings.overlap else None
+        self._ls_in_sync = False   # overlap: every rank holds the anchor and nothing was trained since
 
     def step(self, closure=None):
         if not self._ls.anchor:
             self._ls.capture(self._ls_named)    # the broadcast parameters, before the first update
         loss = super().step(closure)
+        self._ls_in_sync = False
         self._ls.local_steps += 1
         if self._ls.local_steps >= self._ls.settings.every:
             if self._ls_channel is not None:
@@ -316,13 +333,23 @@ class LocalStepsMixin:
             if self._ls.local_steps:
                 self._outer_step()
             return
-        if not self._ls.anchor:
+        if not self._ls.anchor or self._ls_in_sync:
             return
         if self._ls_channel.pending is not None:
+            if self._ls.local_steps == 0:   # launched at this very step: nothing trained since
+                self._apply_pending(no_progress=True)
+                self._ls_in_sync = True
+                return
             self._apply_pending()
         self._ls_channel.launch(self._flat_delta())
         self._apply_pending(no_progress=True)
         self._ls.local_steps = 0
+        self._ls_in_sync = True
+
+    def consensus_parameters(self):
+        """{name: tensor}: the anchor, the parameters the clusters last agreed on (the same on
+        every rank; for evaluating one model without an exchange)."""
+        return dict(self._ls.anchor)
 
     def _outer_step(self):
         comp = self._ls_compression
@@ -351,6 +378,7 @@ class LocalStepsMixin:
         saved = state_dict.pop("stella_local_steps", None)
         if self._ls_channel is not None:
             self._ls_channel.drop()   # its period's progress goes into the next exchange
+            self._ls_in_sync = False
         if saved is not None:
             self._ls.load_state_dict(saved, self._ls_named)
         else:   # a checkpoint without local steps: a new period starts from the loaded parameters

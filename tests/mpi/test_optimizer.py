@@ -420,6 +420,25 @@ def test_local_steps_overlapped_exchange_is_applied_one_period_late(outer):
     _assert_same_everywhere(model)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), opt._ls.anchor[name])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.sync_clusters()   # nothing trained since: no exchange, no outer step (Nesterov's momentum untouched)
+    assert opt._ls.exchanges == 4 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_local_steps_overlap_sync_at_a_period_boundary_applies_only_what_is_in_flight(outer):
+    """sync_clusters() right after a launch (nothing trained since) completes that exchange and
+    runs no other: one outer step, as the reference's next application would make."""
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(),
+        local_steps=hvd.LocalSteps(every=2, outer=outer, overlap=True)), 4)
+    assert opt._ls.exchanges == 1 and opt._ls.local_steps == 0 and opt._ls_channel.pending is not None
+    opt.sync_clusters()
+    assert opt._ls.exchanges == 2 and opt._ls_channel.pending is None
+    _assert_same_everywhere(model)
+    consensus = opt.consensus_parameters()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), consensus[name])
 
 
 def test_local_steps_overlap_checkpoints_without_waiting_on_the_others():
