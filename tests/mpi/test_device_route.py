@@ -54,44 +54,38 @@ def test_dense_allreduce(device_route, dtype):
     _same(avg_h, avg_d, "average")
 
 
-@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk"])
-@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
-def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
+def _compressed_host_vs_device(device_route, comp, tag, sizes, seed, residual_device):
+    """Three steps of a compressed allreduce with error feedback, host route against device
+    route: results and residuals bit for bit (residuals on ``residual_device``)."""
     mem_h, mem_d = Memory(), Memory()
-    comp = getattr(hvd.Compression, name)(density=0.02, value_dtype=value_dtype)
     for step in range(3):
-        xs = [rank_input(hvd.rank(), (n,), torch.float32, seed=11 * step + n) for n in (40000, 777)]
-        tag = "dev.sparse.%s.%s" % (name, value_dtype)
+        xs = [rank_input(hvd.rank(), (n,), torch.float32, seed=seed * step + n) for n in sizes]
         host = hvd.synchronize(hvd.compressed_allreduce_async(xs, comp, tag, memory=mem_h, step=step))
         dev = device_route(lambda d: hvd.synchronize(hvd.compressed_allreduce_async(
             [x.to(d) for x in xs], comp, tag, memory=mem_d, step=step)))
         for i, (h, g) in enumerate(zip(host, dev)):
             assert g.device.type == DEV.type
-            _same(h, g, "%s step %d tensor %d" % (name, step, i))
+            _same(h, g, "%s step %d tensor %d" % (tag, step, i))
         assert mem_h.names() == mem_d.names()
         for key in mem_h.names():
-            assert mem_d.get(key).device.type == DEV.type
+            assert mem_d.get(key).device.type == residual_device
             _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
+
+
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk"])
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
+    comp = getattr(hvd.Compression, name)(density=0.02, value_dtype=value_dtype)
+    _compressed_host_vs_device(device_route, comp, "dev.sparse.%s.%s" % (name, value_dtype), (40000, 777), 11,
+                               DEV.type)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_thc_allreduce_with_error_feedback(device_route, bits):
     """Compression.thc on device tensors: the shard crosses to the host for the C kernels and the
     WAN and comes back; results and residuals (kept on the host) equal the host route's bits."""
-    mem_h, mem_d = Memory(), Memory()
-    comp = hvd.Compression.thc(bits=bits)
-    for step in range(3):
-        xs = [rank_input(hvd.rank(), (n,), torch.float32, seed=13 * step + n) for n in (5000, 77)]
-        tag = "dev.thc.%d" % bits
-        host = hvd.synchronize(hvd.compressed_allreduce_async(xs, comp, tag, memory=mem_h, step=step))
-        dev = device_route(lambda d: hvd.synchronize(hvd.compressed_allreduce_async(
-            [x.to(d) for x in xs], comp, tag, memory=mem_d, step=step)))
-        for i, (h, g) in enumerate(zip(host, dev)):
-            assert g.device.type == DEV.type
-            _same(h, g, "thc %d bits step %d tensor %d" % (bits, step, i))
-        assert mem_h.names() == mem_d.names()
-        for key in mem_h.names():
-            _same(mem_h.get(key), mem_d.get(key), "residual %s" % key)
+    _compressed_host_vs_device(device_route, hvd.Compression.thc(bits=bits), "dev.thc.%d" % bits, (5000, 77), 13,
+                               "cpu")
 
 
 def _same_runs(host, dev, what):
