@@ -54,9 +54,8 @@ def _multi_cluster():
     return hvd.global_process_set.topology.num_clusters > 1
 
 
-@pytest.mark.parametrize("bits,rotation,rounding", [(2, True, "nearest"), (4, True, "nearest"), (8, False, "nearest"),
-                                                    (4, False, "nearest"), (4, True, "stochastic"),
-                                                    (2, False, "stochastic")])
+@pytest.mark.parametrize("bits,rotation,rounding", [(2, True, "nearest"), (8, False, "nearest"),
+                                                    (4, True, "stochastic"), (2, False, "stochastic")])
 def test_thc_equals_the_reference_pipeline_bit_for_bit(bits, rotation, rounding):
     """Also stochastic rounding: each cluster's shard owner draws from its own key (its position
     among the clusters), which the reference reproduces."""
@@ -94,7 +93,7 @@ def test_thc_error_feedback_keeps_the_mass():
     x = _exact_input(hvd.rank(), n, seed=77)
     comp = hvd.Compression.thc(bits=2)
     total = torch.zeros(n)
-    steps = 40
+    steps = 25
     for _ in range(steps):
         total += hvd.allreduce(x, compression=comp, name="thc.ef", op=hvd.Sum)
     exact = hvd.allreduce(x, name="thc.ef.ref", op=hvd.Sum)
@@ -204,12 +203,12 @@ def _counting(comp):
 
 
 def test_thc_trains_through_distributed_optimizer():
-    dense, dense_losses = _train(30)
+    dense, dense_losses = _train(20)
     comp, calls = _counting(hvd.Compression.thc(bits=4))
-    model, losses = _train(30, compression=comp)
-    assert (len(calls) >= 30) == _crosses()
+    model, losses = _train(20, compression=comp)
+    assert (len(calls) >= 20) == _crosses()
     assert losses[-1] < losses[0]
-    assert abs(losses[-1] - dense_losses[-1]) < 0.02 * dense_losses[-1]   # measured: 1.0549 vs dense 1.0552
+    assert abs(losses[-1] - dense_losses[-1]) < 0.02 * dense_losses[-1]   # (30 steps measured 1.0549 vs dense 1.0552)
 
 
 def test_thc_carries_the_pseudo_gradient_of_local_steps():
