@@ -68,6 +68,12 @@ def accumulate(acc, src, op):
         torch.maximum(acc, src, out=acc)
 
 
+def allreduce_bytes(nbytes, nclusters):
+    """Bytes one rank sends (and receives) to allreduce ``nbytes`` over ``nclusters`` ranks, as
+    the WAN counters count it: one swap between two clusters, the ring's 2 (C-1)/C beyond."""
+    return nbytes * (nclusters - 1) if nclusters == 2 else 2 * nbytes * (nclusters - 1) // nclusters
+
+
 class Hierarchy:
     """Collectives of one process set over its two levels.
 
@@ -295,10 +301,8 @@ class Hierarchy:
         else:
             wire = buf
         item = wire.element_size()
-        if nclusters == 2 or small_float:
-            moved = n * item * (nclusters - 1)
-        else:
-            moved = 2 * n * item * (nclusters - 1) // nclusters  # ring allreduce volume
+        # 16-bit floats are all-gathered (every other cluster's copy arrives)
+        moved = n * item * (nclusters - 1) if small_float else allreduce_bytes(n * item, nclusters)
         self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
         started = time.monotonic()
         with timeline.span("WAN_EXCHANGE", bytes_sent=moved, bytes_received=moved, clusters=nclusters):

@@ -23,16 +23,11 @@ from .._native import MalformedPayloadError
 from ..base import timeline
 from ..base.devices import route_for
 from ..compression import TensorContext
+from .hierarchy import allreduce_bytes
 from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def _ring_bytes(nbytes, nclusters):
-    """What one rank sends (and receives) in an allreduce of ``nbytes``, as counted for the
-    dense cross-cluster step (one swap between two clusters, ring volume beyond)."""
-    return nbytes * (nclusters - 1) if nclusters == 2 else 2 * nbytes * (nclusters - 1) // nclusters
 
 
 def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
@@ -62,7 +57,7 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     words = comp.quantize(work, scale, nclusters, me)
     t2 = time.perf_counter()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], op=MPI.SUM), "THC lanes of %r" % key)
-    moved = _ring_bytes(words.nbytes, nclusters) + 16
+    moved = allreduce_bytes(words.nbytes, nclusters) + 16
     hier.pacer.pace(moved, started, rounds=2)
     t3 = time.perf_counter()
     try:

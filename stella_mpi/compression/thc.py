@@ -100,10 +100,6 @@ class THCCompressor(Compressor):
     def lane_bits(self, nclusters):
         return kernels.lane_bits(self.bits, nclusters)
 
-    def wire_bytes(self, numel, nclusters):
-        """Bytes of one rank's words for ``numel`` entries among ``nclusters`` clusters."""
-        return 8 * kernels.words_for(numel, self.lane_bits(nclusters))
-
     def _rotation_key(self, ctx):
         return sparse_kernels.randomk_key(ctx.seed, ctx.name + "#thc-rotation", 0)
 

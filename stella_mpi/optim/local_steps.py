@@ -66,6 +66,7 @@ from ..api.handles import synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average
 from ..comm.buffers import mpi_view, split_counts
+from ..comm.hierarchy import allreduce_bytes
 from ..core import state
 from ..core.collective_thread import Op
 from ..core.process_sets import ProcessSet, global_process_set
@@ -206,11 +207,11 @@ class OuterChannel:
             req = self.comm.Iallreduce(mpi_view(send), mpi_view(recv), op=MPI.SUM)
         pacer = self.pset.hierarchy.pacer
         nclusters = topo.num_clusters
-        moved = send.numel() * send.element_size() * (1 if nclusters == 2 else 2 * (nclusters - 1) / nclusters)
+        moved = allreduce_bytes(send.numel() * send.element_size(), nclusters)
         # with user-space WAN emulation the result counts as arrived once the link could carry it
         ready_at = time.monotonic() + (moved * 8 / pacer.bps + pacer.delay_s if pacer.bps > 0 else 0.0)
         if self.comm is not None:
-            self.pset.hierarchy.stats.add(wan_bytes_sent=int(moved), wan_bytes_received=int(moved), wan_messages=1)
+            self.pset.hierarchy.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1)
         self.pending = (req, send, recv, counts, delta, ready_at)
 
     def wait(self):
