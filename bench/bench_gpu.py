@@ -13,7 +13,7 @@ In one run:
    stella sparse (cache-aware 1 %), stella dense and DDP (gloo on the CUDA tensors, its buckets
    paced at the same rate by a comm hook, since all its bytes cross the link) -- median of the
    timed steps, ratios to DDP;
-3. the CPU engine with the model on the GPU, staleness 0 against 1: wall time per step and GPU
+3. the CPU engine with the model on the GPU, staleness 0 against 1: mean wall time per step and GPU
    idle time per step (wall minus the time the compute stream was busy, from CUDA events around
    forward and backward).
 
@@ -87,16 +87,22 @@ MODELS = {   # name: (input width, hidden, depth) -> parameters
 
 def paced_allreduce_hook(bps):
     """DDP comm hook: gloo's allreduce of the bucket, then held until the bucket's bytes would
-    have crossed a link of ``bps`` (what stella's Pacer does to its cross-cluster sends)."""
+    have crossed a link of ``bps`` shared by all buckets (one link: a bucket's bytes start after
+    the previous bucket's, as stella's Pacer serialises its cross-cluster sends)."""
+    import threading
     import torch.distributed as dist
+    link = {"free": 0.0}
+    lock = threading.Lock()
 
     def hook(state, bucket):
-        t0 = time.monotonic()
         buf = bucket.buffer()
+        with lock:
+            start = max(time.monotonic(), link["free"])
+            link["free"] = done_at = start + buf.numel() * buf.element_size() * 8 / bps
         fut = dist.all_reduce(buf.div_(dist.get_world_size()), async_op=True).get_future()
 
         def paced(f):
-            left = buf.numel() * buf.element_size() * 8 / bps - (time.monotonic() - t0)
+            left = done_at - time.monotonic()
             if left > 0:
                 time.sleep(left)
             return f.value()[0]
@@ -119,12 +125,19 @@ def worker(args):
         x = torch.randn(batch, width, generator=g)
         return x.to(dev), torch.randint(0, 10, (batch,), generator=g).to(dev)
 
-    def run_steps(model, opt, width, steps, events=False):
+    def run_steps(model, opt, width, steps, events=False, finish=None):
+        """Per-step wall times of ``steps`` steps after one untimed step. One barrier before the
+        timed steps, none between them: a barrier queues behind the pipeline's work and would
+        hide what a pipelined step (CPU engine, staleness 1) still waits for. ``finish`` (the
+        CPU engine's wait_updates) runs inside the last step's time, so the last update counts."""
         times, busy = [], []
         for step in range(steps + 1):
             x, y = data(width, step)
-            _sync(dev)
-            hvd.barrier()
+            if step <= 1:
+                if finish is not None:
+                    finish()
+                _sync(dev)
+                hvd.barrier()
             t0 = time.perf_counter()
             start = torch.cuda.Event(enable_timing=True) if events else None
             end = torch.cuda.Event(enable_timing=True) if events else None
@@ -136,6 +149,8 @@ def worker(args):
             if events:
                 end.record()
             opt.step()
+            if step == steps and finish is not None:
+                finish()
             _sync(dev)
             if step:
                 times.append(time.perf_counter() - t0)
@@ -178,10 +193,11 @@ def worker(args):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                        named_parameters=model.named_parameters(), engine="cpu", staleness=staleness,
                                        model=model, compression=hvd.Compression.cacheaware(density=args.density))
-        times, busy = run_steps(model, opt, width, args.steps, events=dev.type == "cuda")
+        times, busy = run_steps(model, opt, width, args.steps, events=dev.type == "cuda", finish=opt.wait_updates)
         opt.drain()
-        wall = statistics.median(times)
-        idle = statistics.median([t - b for t, b in zip(times, busy)]) if busy else None
+        # means, not medians: with staleness 1 the waits fall on some steps only
+        wall = statistics.mean(times)
+        idle = statistics.mean([t - b for t, b in zip(times, busy)]) if busy else None
         results["cpu_engine"]["staleness%d" % staleness] = {"model": name, "step_s": wall, "gpu_idle_s": idle}
         if hvd.rank() == 0:
             print("cpu engine staleness %d: step %.3f s, GPU idle %s" % (staleness, wall,

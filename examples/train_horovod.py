@@ -64,15 +64,24 @@ def main():
                         help="training seconds between held-out evaluations (0: by steps or at the end)")
     parser.add_argument("--check-seconds", type=float, default=0.5,
                         help="training seconds between the ranks' agreements on the clock (--time-budget)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model and batches live (cuda: this rank's GPU, local rank modulo the count)")
     args = parser.parse_args()
 
     hvd.init()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no GPU here")
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     context = 32
     corpus = load_corpus()
     data = ByteBatches(corpus, context, args.batch_size, seed=1 + hvd.rank() + 1000 * args.seed)
-    model = ByteMLP(context, hidden=args.hidden)
+    model = ByteMLP(context, hidden=args.hidden).to(device)
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
     else:
@@ -110,7 +119,7 @@ def main():
         print("stella_mpi: %d ranks in %d clusters (this rank: cluster %d of size %d); model %.2fM parameters; "
               "%.1f MB of stdlib text" % (hvd.size(), hvd.num_clusters(), hvd.cluster_id(), hvd.cluster_size(),
                                           nparams / 1e6, len(corpus) / 1e6), flush=True)
-    vx, vy = data.validation()
+    vx, vy = (t.to(device) for t in data.validation())
 
     def held_out_loss():
         with torch.no_grad():
@@ -124,7 +133,7 @@ def main():
     curve.append((0.0, 0, None, held_out_loss()))   # where both runs start
     while True:
         step += 1
-        x, y = data.next()
+        x, y = (t.to(device, non_blocking=True) for t in data.next())
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -134,6 +143,8 @@ def main():
         eval_steps = bool(args.eval_every) and step % args.eval_every == 0
         if not (log_now or eval_steps or last_step or step == next_check):
             continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)   # the step's GPU work counts in its time
         # the ranks agree on the clock (the slowest rank's), so they stop and evaluate at the same steps;
         # the next check comes after about --check-seconds of training (every step when steps are slower)
         elapsed = hvd.allreduce(torch.tensor(time.perf_counter() - t_mark + s_mark), op=hvd.Max,

@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+excl=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$excl")"
+grep -qx '/.whl/' "$excl" 2>/dev/null || echo /.whl/ >> "$excl"
 mkdir -p .whl
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python

@@ -87,6 +87,7 @@ class Hierarchy:
         self.comms = comms
         self.nccl = nccl            # "auto": NCCL inside a cluster whose ranks have their own GPUs; "off"
         self.device_intras = {}     # CUDA device -> NcclIntra, or None (staged through the host)
+        self.staged_reasons = {}    # CUDA device -> why it is staged (the warning's text)
         self.topo = comms.topo
         self.intra = intra
         self.deadline = deadline
@@ -134,13 +135,14 @@ class Hierarchy:
                                                    len({g.split("/")[0] for g in gpus}) == 1)
             return
         self.device_intras[device] = None
+        if shared:
+            detail = "; ".join("ranks %s share GPU %s" % ([self.ranks[m] for m, g in zip(members, gpus) if g == s], s)
+                               for s in shared) + " (NCCL refuses two ranks on one GPU)"
+        else:
+            detail = "NCCL is not usable (or STELLA_NCCL=off) on ranks %s" % [
+                self.ranks[m] for m, e in zip(members, everyone) if not e["nccl"]]
+        self.staged_reasons[device] = detail
         if topo.cluster_rank == 0:
-            if shared:
-                detail = "; ".join("ranks %s share GPU %s" % ([self.ranks[m] for m, g in zip(members, gpus) if g == s], s)
-                                   for s in shared) + " (NCCL refuses two ranks on one GPU)"
-            else:
-                detail = "NCCL is not usable (or STELLA_NCCL=off) on ranks %s" % [
-                    self.ranks[m] for m, e in zip(members, everyone) if not e["nccl"]]
             log.warning("stella_mpi: cluster %d: %s; its CUDA tensors go through pinned host memory and %s inside "
                         "the cluster", topo.cluster_id, detail, self.intra.name)
 
@@ -159,6 +161,7 @@ class Hierarchy:
             if intra is not None:
                 intra.free()
         self.device_intras = {}
+        self.staged_reasons = {}
 
     # ---------------- reduction across clusters ----------------
 

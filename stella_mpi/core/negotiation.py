@@ -54,7 +54,8 @@ def describe(desc):
     if desc is None:
         return "nothing (joined)"
     parts = [desc.get("kind", "?"), repr(desc.get("name", ""))]
-    for key in ("dtype", "shape", "shapes", "trailing", "op", "root", "prescale", "postscale", "compressor", "step"):
+    for key in ("dtype", "device", "shape", "shapes", "trailing", "op", "root", "prescale", "postscale",
+                "compressor", "step"):
         if key in desc:
             parts.append("%s=%s" % (key, desc[key]))
     return " ".join(parts)

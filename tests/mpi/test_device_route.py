@@ -14,7 +14,11 @@ from reference import rank_input
 from stella_mpi.compression import Memory
 
 CUDA = torch.cuda.is_available()
-DEV = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if CUDA else torch.device("cpu")
+
+
+def _device():
+    # called inside tests: hvd.init() runs in the session fixture, after this module is imported
+    return torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if CUDA else torch.device("cpu")
 
 
 @pytest.fixture
@@ -24,7 +28,7 @@ def device_route(monkeypatch):
         if not CUDA:
             monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
         try:
-            return fn(DEV)
+            return fn(_device())
         finally:
             monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
     return run
@@ -47,7 +51,7 @@ def test_dense_allreduce(device_route, dtype):
     dev = device_route(lambda d: hvd.grouped_allreduce([x.to(d) for x in xs], op=hvd.Sum,
                                                        name="dev.dense.%s" % dtype))
     for i, (h, g) in enumerate(zip(host, dev)):
-        assert g.device.type == DEV.type
+        assert g.device.type == _device().type
         _same(h, g, "grouped allreduce, tensor %d" % i)
     avg_h = hvd.allreduce(xs[0], name="dev.avg")
     avg_d = device_route(lambda d: hvd.allreduce(xs[0].to(d), name="dev.avg"))
@@ -64,7 +68,7 @@ def _compressed_host_vs_device(device_route, comp, tag, sizes, seed, residual_de
         dev = device_route(lambda d: hvd.synchronize(hvd.compressed_allreduce_async(
             [x.to(d) for x in xs], comp, tag, memory=mem_d, step=step)))
         for i, (h, g) in enumerate(zip(host, dev)):
-            assert g.device.type == DEV.type
+            assert g.device.type == _device().type
             _same(h, g, "%s step %d tensor %d" % (tag, step, i))
         assert mem_h.names() == mem_d.names()
         for key in mem_h.names():
@@ -77,7 +81,7 @@ def _compressed_host_vs_device(device_route, comp, tag, sizes, seed, residual_de
 def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
     comp = getattr(hvd.Compression, name)(density=0.02, value_dtype=value_dtype)
     _compressed_host_vs_device(device_route, comp, "dev.sparse.%s.%s" % (name, value_dtype), (40000, 777), 11,
-                               DEV.type)
+                               _device().type)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -158,7 +162,7 @@ def test_cpu_engine_model_on_the_device(device_route, staleness):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_and_cpu_tensors_mixed_across_ranks_are_refused():
-    x = torch.ones(10, device=DEV) if hvd.rank() == 0 else torch.ones(10)
+    x = torch.ones(10, device=_device()) if hvd.rank() == 0 else torch.ones(10)
     with pytest.raises(hvd.TensorMismatchError, match="cuda"):
         hvd.allreduce(x, name="dev.mixed")
     # the ranks are still in step
@@ -168,7 +172,7 @@ def test_cuda_and_cpu_tensors_mixed_across_ranks_are_refused():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cpu_engine_refuses_parameters_on_two_devices():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    model[1].to(DEV)
+    model[1].to(_device())
     with pytest.raises(ValueError, match="is on"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters(), engine="cpu")

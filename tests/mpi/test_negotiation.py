@@ -68,7 +68,7 @@ def test_mismatch_is_raised_everywhere_and_the_ranks_go_on():
         hvd.allreduce(torch.ones(3 + r), name="mismatch.shape")
     text = str(err.value)
     for q in range(n):
-        assert "rank %d: allreduce 'mismatch.shape' dtype=float32 shapes=[[%d]]" % (q, 3 + q) in text, text
+        assert "rank %d: allreduce 'mismatch.shape' dtype=float32 device=cpu shapes=[[%d]]" % (q, 3 + q) in text, text
     # a name cached with one shape, then used with another on one rank only
     hvd.allreduce(torch.ones(5), name="mismatch.cached")
     with pytest.raises(hvd.TensorMismatchError, match="mismatch.cached"):

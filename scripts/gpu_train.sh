@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a GPU machine (after scripts/gpu_probe.sh has set up its venv): the byte-level LM of
+# examples/train_horovod.py with CUDA tensors, 2 clusters of 1 rank sharing the GPU, the
+# cross-cluster link paced at RATE bit/s, each mode for BUDGET seconds of training; JSON per mode
+# and one log in $OUT. bench/gpu_time_to_loss.py $OUT turns the JSONs into the time-to-loss table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${STELLA_GPU_VENV:-/tmp/stella-gpu-venv}/bin/python
+out=${OUT:-bench/results}; mkdir -p "$out"
+RATE=${RATE:-100e6}; BUDGET=${BUDGET:-30}
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+common="--device cuda --hidden 2048 --batch-size 512 --time-budget $BUDGET --eval-seconds 3 --log-every 50"
+for mode in ${MODES:-dense cacheaware topk thc4 cpu1}; do
+    case $mode in
+        dense) a="--compression none" ;;
+        cacheaware|topk) a="--compression $mode --density 0.01" ;;
+        thc4) a="--compression thc --bits 4" ;;
+        cpu1) a="--compression cacheaware --density 0.01 --engine cpu --staleness 1" ;;
+    esac
+    echo "== $mode: $a" | tee -a "$out/train.log"
+    timeout -k 10 $((BUDGET + 90)) "$(dirname "$PY")/mpirun" -np 2 -genv STELLA_CLUSTERS 2 -genv STELLA_WAN_PACE_BPS "$RATE" \
+        "$PY" examples/train_horovod.py $common $a --json-out "$out/$mode.json" >>"$out/train.log" 2>&1
+    echo "exit $?" | tee -a "$out/train.log"; grep -E "^done" "$out/train.log" | tail -1
+done
