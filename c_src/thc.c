@@ -88,18 +88,46 @@ int stella_thc_rotate(float *x, int64_t n, int block_log2, uint64_t key, int inv
     return STELLA_OK;
 }
 
-int stella_thc_absmax(const float *x, int64_t n, float *absmax, int64_t *nonfinite) {
-    if (!absmax || !nonfinite) return STELLA_ERR_NULL;
-    if (n < 0) return STELLA_ERR_ARG;
-    if (n > 0 && !x) return STELLA_ERR_NULL;
-    uint32_t best = 0;
+int stella_thc_scale_count(int64_t n, int scale_log2, int64_t *count) {
+    if (!count) return STELLA_ERR_NULL;
+    if (n < 0 || scale_log2 < 0 || scale_log2 > STELLA_THC_ONE_SCALE) return STELLA_ERR_ARG;
+    *count = n == 0 ? 0 : ((n - 1) >> scale_log2) + 1;
+    return STELLA_OK;
+}
+
+/* The scales (count of them for n entries in blocks of 2^scale_log2) are well formed: the
+ * count matches and each is >= 0 and finite. */
+static int scales_ok(const float *scales, int64_t count, int64_t n, int scale_log2) {
+    int64_t need;
+    int rc = stella_thc_scale_count(n, scale_log2, &need);
+    if (rc != STELLA_OK) return rc;
+    if (count != need) return STELLA_ERR_SIZE;
+    if (count > 0 && !scales) return STELLA_ERR_NULL;
+    for (int64_t b = 0; b < count; b++)
+        if (!(scales[b] >= 0.0f) || isinf(scales[b])) return STELLA_ERR_ARG;
+    return STELLA_OK;
+}
+
+int stella_thc_absmax(const float *x, int64_t n, int scale_log2, float *absmax, int64_t count,
+                      int64_t *nonfinite) {
+    if (!nonfinite) return STELLA_ERR_NULL;
+    int64_t need;
+    int rc = stella_thc_scale_count(n, scale_log2, &need);
+    if (rc != STELLA_OK) return rc;
+    if (count != need) return STELLA_ERR_SIZE;
+    if (n > 0 && (!x || !absmax)) return STELLA_ERR_NULL;
     int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = stella_f2u(x[i]) & 0x7fffffffu;
-        if (u >= 0x7f800000u) bad++;
-        else if (u > best) best = u;
+    const int64_t len = (int64_t)1 << scale_log2;
+    for (int64_t b = 0; b < count; b++) {
+        uint32_t best = 0;
+        const int64_t start = b * len, end = n - start < len ? n : start + len;
+        for (int64_t i = start; i < end; i++) {
+            uint32_t u = stella_f2u(x[i]) & 0x7fffffffu;
+            if (u >= 0x7f800000u) bad++;
+            else if (u > best) best = u;
+        }
+        absmax[b] = stella_u2f(best);
     }
-    *absmax = stella_u2f(best);
     *nonfinite = bad;
     return STELLA_OK;
 }
@@ -110,10 +138,19 @@ static inline float draw(uint64_t key, int64_t i) {
     return (float)r * 0x1p-24f;
 }
 
-int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochastic, uint64_t key,
-                        int lane_bits, uint64_t *words, int64_t cap) {
+/* L / s and s / L of one scale block; a scale so small that L / s overflows gives 0 (every
+ * level of the block zero: all stays in the residual). */
+static inline void block_factors(float scale, int L, float *inv, float *step) {
+    float i = scale > 0.0f ? (float)L / scale : 0.0f;
+    *inv = isinf(i) ? 0.0f : i;
+    *step = scale / (float)L;
+}
+
+int stella_thc_quantize(float *x, int64_t n, int bits, const float *scales, int64_t count, int scale_log2,
+                        int stochastic, uint64_t key, int lane_bits, uint64_t *words, int64_t cap) {
     if (n < 0 || !bits_ok(bits) || lane_bits < 1 || lane_bits > 32) return STELLA_ERR_ARG;
-    if (!(scale >= 0.0f) || isinf(scale)) return STELLA_ERR_ARG;
+    int rc = scales_ok(scales, count, n, scale_log2);
+    if (rc != STELLA_OK) return rc;
     int own;
     stella_thc_lane_bits(bits, 1, &own);
     if (lane_bits < own) return STELLA_ERR_ARG;
@@ -125,16 +162,19 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochast
     for (int64_t i = 0; i < n; i++)
         if ((stella_f2u(x[i]) & 0x7fffffffu) >= 0x7f800000u) return STELLA_ERR_ARG;
     const int L = levels_of(bits);
-    float inv = scale > 0.0f ? (float)L / scale : 0.0f;
-    if (isinf(inv)) inv = 0.0f; /* a scale below L / FLT_MAX: every level zero (all stays in the residual) */
-    const float step = scale / (float)L;
     const int64_t lanes = 64 / lane_bits;
+    int64_t block = -1;
+    float inv = 0.0f, step = 0.0f;
     for (int64_t w = 0; w < need; w++) {
         uint64_t word = 0;
         int64_t first = w * lanes;
         int64_t m = n - first < lanes ? n - first : lanes;
         for (int64_t j = 0; j < m; j++) {
             int64_t i = first + j;
+            if ((i >> scale_log2) != block) {
+                block = i >> scale_log2;
+                block_factors(scales[block], L, &inv, &step);
+            }
             float t = x[i] * inv;
             t = t + (stochastic ? draw(key, i) : 0.5f);
             /* |x| beyond the scale: clamp first, so the cast below is defined */
@@ -152,9 +192,11 @@ int stella_thc_quantize(float *x, int64_t n, int bits, float scale, int stochast
 }
 
 int stella_thc_unpack_sum(const uint64_t *words, int64_t nwords, int64_t n, int bits, int nclusters,
-                          int lane_bits, float scale, float *out) {
+                          int lane_bits, const float *scales, int64_t count, int scale_log2, float *out) {
     if (n < 0 || !bits_ok(bits) || nclusters < 1 || nclusters > STELLA_THC_MAX_CLUSTERS) return STELLA_ERR_ARG;
-    if (lane_bits < 1 || lane_bits > 32 || !(scale >= 0.0f) || isinf(scale)) return STELLA_ERR_ARG;
+    if (lane_bits < 1 || lane_bits > 32) return STELLA_ERR_ARG;
+    int rc = scales_ok(scales, count, n, scale_log2);
+    if (rc != STELLA_OK) return rc;
     int need_bits;
     stella_thc_lane_bits(bits, nclusters, &need_bits);
     if (lane_bits < need_bits) return STELLA_ERR_ARG;
@@ -166,9 +208,10 @@ int stella_thc_unpack_sum(const uint64_t *words, int64_t nwords, int64_t n, int 
     const int64_t L = levels_of(bits);
     const uint64_t top = 2ull * (uint64_t)L * (uint64_t)nclusters;
     const int64_t zero = L * (int64_t)nclusters;
-    const float step = scale / (float)L;
     const int64_t lanes = 64 / lane_bits;
     const uint64_t mask = lane_bits == 64 ? ~0ull : ((1ull << lane_bits) - 1);
+    int64_t block = -1;
+    float step = 0.0f;
     for (int64_t w = 0; w < need; w++) {
         uint64_t word = words[w];
         int64_t first = w * lanes;
@@ -177,9 +220,14 @@ int stella_thc_unpack_sum(const uint64_t *words, int64_t nwords, int64_t n, int 
         int used = (int)(m * lane_bits);
         if (used < 64 && (word >> used) != 0) return STELLA_ERR_MALFORMED;
         for (int64_t j = 0; j < m; j++) {
+            int64_t i = first + j;
+            if ((i >> scale_log2) != block) {
+                block = i >> scale_log2;
+                step = scales[block] / (float)L;
+            }
             uint64_t lane = (word >> (j * lane_bits)) & mask;
             if (lane > top) return STELLA_ERR_MALFORMED;
-            out[first + j] = (float)((int64_t)lane - zero) * step;
+            out[i] = (float)((int64_t)lane - zero) * step;
         }
     }
     return STELLA_OK;

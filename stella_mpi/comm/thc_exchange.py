@@ -1,9 +1,10 @@
 """The homomorphic cross-cluster step (``Compression.thc``): one rank per cluster, on the
 shard it owns after the intra-cluster reduce-scatter (or the leaders, on the whole buffer)::
 
-    acc = shard + residual, rotated; largest |entry|           (compression/thc.py, C kernels)
-    agree on the scale: MAX over clusters of (|entry|, NaN seen) -> 16 bytes on the WAN
-    quantize with that scale into integer lanes (uint64 words) -> lane width from the clusters
+    acc = shard + residual, rotated; largest |entry| per block  (compression/thc.py, C kernels)
+    agree on the scales: MAX over clusters of (each block's |entry|, NaN seen) -> 4 bytes per
+                                                                  block of 2**block_log2 entries
+    quantize with those scales into integer lanes (uint64 words) -> lane width from the clusters
     sum the words over clusters: MPI allreduce, MPI_UINT64_T SUM -> reduce-scatter/all-gather,
                                                                   no decode at any hop
     check every lane, decode, rotate back; residual = acc - sent
@@ -27,7 +28,6 @@ from .hierarchy import allreduce_bytes
 from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
 
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
@@ -42,26 +42,31 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     work = comp.begin(host, ctx, memory)
     t1 = time.perf_counter()
     started = time.monotonic()
-    agreed = np.array([work.absmax, 1.0 if work.nonfinite else 0.0], dtype=np.float64)
-    dl.wait(comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX), "THC scale of %r" % key)
-    scale, nonfinite = float(agreed[0]), bool(agreed[1])
-    if not (np.isfinite(scale) and 0.0 <= scale <= FLOAT32_MAX and float(np.float32(scale)) == scale
-            and agreed[1] in (0.0, 1.0)):
-        raise PeerPayloadError("THC scale of %r (step %d): the clusters' ranks %s agreed on (%r, %r), not a finite "
-                               "scale and a flag; a peer sent garbage" % (key, step, _ranks(hier, comm, kind), scale, agreed[1]))
-    if nonfinite:   # some cluster holds a NaN or Inf (the executor refuses the result): nothing is sent
+    # the block maxima, then the NaN flag: one float32 MAX over the clusters
+    agreed = np.append(work.absmax, np.float32(1.0 if work.nonfinite else 0.0)).astype(np.float32)
+    dl.wait(comm.Iallreduce(MPI.IN_PLACE, [agreed, MPI.FLOAT], op=MPI.MAX), "THC scales of %r" % key)
+    scales, flag = agreed[:-1], float(agreed[-1])
+    scale_bytes = allreduce_bytes(agreed.nbytes, nclusters)
+    if not (bool(np.isfinite(scales).all()) and bool((scales >= 0).all()) and flag in (0.0, 1.0)):
+        bad = int(np.flatnonzero(~(np.isfinite(scales) & (scales >= 0)))[0]) if scales.size and flag in (0.0, 1.0) else -1
+        raise PeerPayloadError("THC scales of %r (step %d): the clusters' ranks %s agreed on %s, not finite scales "
+                               "and a flag of 0 or 1; a peer sent garbage" % (
+                                   key, step, _ranks(hier, comm, kind),
+                                   "flag %r" % flag if bad < 0 else "scale %r for block %d" % (float(scales[bad]), bad)))
+    if flag:   # some cluster holds a NaN or Inf (the executor refuses the result): nothing is sent
         comp.skip_nonfinite(work, memory)
         host.fill_(float("nan"))
-        hier.stats.add(wan_bytes_sent=16, wan_bytes_received=16, wan_messages=1)
+        hier.stats.add(wan_bytes_sent=scale_bytes, wan_bytes_received=scale_bytes, wan_messages=1)
         return
-    words = comp.quantize(work, scale, nclusters, me)
+    scales = np.ascontiguousarray(scales)
+    words = comp.quantize(work, scales, nclusters, me)
     t2 = time.perf_counter()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], op=MPI.SUM), "THC lanes of %r" % key)
-    moved = allreduce_bytes(words.nbytes, nclusters) + 16
+    moved = allreduce_bytes(words.nbytes, nclusters) + scale_bytes
     hier.pacer.pace(moved, started, rounds=2)
     t3 = time.perf_counter()
     try:
-        comp.finish(work, words, nclusters, scale, memory)
+        comp.finish(work, words, nclusters, scales, memory)
     except MalformedPayloadError as e:
         raise PeerPayloadError("THC lanes of %r (step %d) summed over ranks %s are out of range (a peer sent "
                                "malformed words): %s" % (key, step, _ranks(hier, comm, kind), e)) from None

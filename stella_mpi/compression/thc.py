@@ -1,8 +1,9 @@
 """THC-style homomorphic quantization of the cross-cluster hop (the computation; the MPI step
 is :mod:`stella_mpi.comm.thc_exchange`).
 
-Every cluster quantizes its shard with one scale agreed by all clusters (the largest |entry|
-after an optional randomized Hadamard rotation), rounding to ``bits`` bits, and
+Every cluster quantizes its shard with scales agreed by all clusters, one per block of
+2**block_log2 entries (the largest |entry| of the block over every cluster, after an optional
+randomized Hadamard rotation of the same blocks), rounding to ``bits`` bits, and
 packs the levels into integer lanes wide enough to hold the sum over every cluster. The lanes
 of all clusters are then summed as plain 64-bit integers along MPI's reduce-scatter/all-gather:
 no cluster decodes and re-encodes at a hop. The bytes each rank sends grow only with the
@@ -12,11 +13,12 @@ feedback, what rounding left out (acc minus what was sent, rotated back) is adde
 step's shard, as on the sparse route.
 
 Three calls, in order, per shard: :meth:`THCCompressor.begin` (error feedback, rotation, the
-local largest |entry|), :meth:`THCCompressor.quantize` (with the agreed scale: the words to
+local largest |entry| of each block), :meth:`THCCompressor.quantize` (with the agreed scales: the words to
 sum), :meth:`THCCompressor.finish` (the summed words decoded, validated, rotated back; the
 residual updated). The kernels are c_src/thc.c (numpy references in tests/unit)."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .._native import compress as sparse_kernels
@@ -31,11 +33,12 @@ _RANK_SALT = 0x7468632D726F756E   # keeps each rank's rounding draws apart from 
 @dataclass
 class THCWork:
     """One shard between the three calls: acc (shard + residual, in the shard's own memory),
-    the rotated copy that becomes what this rank sent, and the local largest |entry|."""
+    the rotated copy that becomes what this rank sent, and the local largest |entry| of each
+    scale block (float32 numpy)."""
     ctx: TensorContext
     acc: torch.Tensor
     rotated: torch.Tensor
-    absmax: float
+    absmax: np.ndarray
     nonfinite: int
 
 
@@ -43,8 +46,12 @@ class THCCompressor(Compressor):
     """``hvd.Compression.thc(bits=4)``: homomorphic quantization on the cross-cluster hop.
 
     bits: 2 to 8 (levels q in [-L, L], L = 2**(bits-1) - 1; 2 bits send -1, 0 or +1 times the
-    scale). rotation: a randomized Hadamard rotation of blocks of 2**block_log2 entries before
-    quantizing (spreads outliers; the same signs on every rank and step). error_feedback: keep
+    scale). One scale per block of 2**block_log2 entries, agreed by every cluster: a fused
+    bucket holds tensors of very different magnitudes, and under one scale for the whole bucket
+    the small ones rounded to zero step after step (Adam on a 6.8M byte-level LM then diverged,
+    loss 5.5 to 33 in 12 steps; with a scale per 1024 entries it trains; the scales cost 4 bytes
+    per block on the WAN, under 1 % at 4 bits). rotation: a randomized Hadamard rotation of the
+    same blocks before quantizing (spreads outliers; the same signs on every rank and step). error_feedback: keep
     what rounding left out and add it to the next step's shard. rounding: "stochastic"
     (unbiased: E[sent] = acc) or "nearest"; by default nearest with error feedback and
     stochastic without. Measured (2 clusters, 4096 entries, constant input, 40 steps): with
@@ -108,7 +115,7 @@ class THCCompressor(Compressor):
 
     def begin(self, flat, ctx, memory=None):
         """acc = flat + residual (in place in ``flat``, a CPU float32 vector); its rotated copy
-        and largest finite |entry| (NaN/Inf counted, not measured)."""
+        and the largest finite |entry| of each block (NaN/Inf counted, not measured)."""
         if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
             raise ValueError("THCCompressor.begin takes a contiguous CPU float32 vector")
         flat = flat.view(-1)
@@ -118,15 +125,21 @@ class THCCompressor(Compressor):
         rotated = flat.clone()
         if self.rotation:
             kernels.rotate(rotated, self.block_log2, self._rotation_key(ctx))
-        absmax, nonfinite = kernels.absmax(rotated)
+        absmax, nonfinite = kernels.block_absmax(rotated, self.block_log2)
         return THCWork(ctx, flat, rotated, absmax, nonfinite)
 
-    def quantize(self, work, scale, nclusters, rank):
-        """The words this rank adds (uint64 numpy); ``work.rotated`` becomes what it sent."""
-        return kernels.quantize(work.rotated, self.bits, scale, self._rounding_key(work.ctx, rank),
-                                self.lane_bits(nclusters), stochastic=self.rounding == "stochastic")
+    def scale_count(self, n):
+        """The scales (blocks of 2**block_log2 entries) of an ``n``-entry shard."""
+        return kernels.scale_count(n, self.block_log2)
 
-    def finish(self, work, words, nclusters, scale, memory=None):
+    def quantize(self, work, scales, nclusters, rank):
+        """The words this rank adds (uint64 numpy), with the agreed ``scales`` (one per block);
+        ``work.rotated`` becomes what it sent."""
+        return kernels.quantize(work.rotated, self.bits, scales, self._rounding_key(work.ctx, rank),
+                                self.lane_bits(nclusters), stochastic=self.rounding == "stochastic",
+                                scale_log2=self.block_log2)
+
+    def finish(self, work, words, nclusters, scales, memory=None):
         """The sum over clusters, decoded from the summed ``words`` into ``work.acc``'s memory
         (MalformedPayloadError when a lane is out of range), rotated back; the residual becomes
         acc minus what this rank sent."""
@@ -136,7 +149,8 @@ class THCCompressor(Compressor):
             kernels.rotate(sent, self.block_log2, self._rotation_key(work.ctx), inverse=True)
         if memory is not None:
             torch.sub(work.acc, sent, out=memory.residual(work.ctx.name, n, "cpu"))
-        out = kernels.unpack_sum(words, n, self.bits, nclusters, self.lane_bits(nclusters), scale, out=work.acc)
+        out = kernels.unpack_sum(words, n, self.bits, nclusters, self.lane_bits(nclusters), scales, out=work.acc,
+                                 scale_log2=self.block_log2)
         if self.rotation:
             kernels.rotate(out, self.block_log2, self._rotation_key(work.ctx), inverse=True)
         return out

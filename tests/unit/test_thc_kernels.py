@@ -57,19 +57,25 @@ def ref_draws(n, key):
     return r.astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def ref_quantize(x, bits, scale, key, lane, stochastic=True):
+def ref_entry_scales(scale, n, scale_log2):
+    """The scale of each entry: one number for all, or scale[i >> scale_log2]."""
+    if scale_log2 is None:
+        return np.full(n, np.float32(scale), np.float32)
+    return np.asarray(scale, np.float32)[np.arange(n) >> scale_log2]
+
+
+def ref_quantize(x, bits, scale, key, lane, stochastic=True, scale_log2=None):
     """(levels q, what was sent, packed words) in the kernel's float32 sequence."""
     L = (1 << (bits - 1)) - 1
     x = x.astype(np.float32)
-    scale = np.float32(scale)
-    with np.errstate(over="ignore"):
-        inv = np.float32(L) / scale if scale > 0 else np.float32(0)
-    if np.isinf(inv):
-        inv = np.float32(0)
+    s = ref_entry_scales(scale, x.size, scale_log2)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = np.where(s > 0, np.float32(L) / s, np.float32(0)).astype(np.float32)
+    inv[np.isinf(inv)] = 0
     u = ref_draws(x.size, key) if stochastic else np.full(x.size, 0.5, np.float32)
     t = (x * inv).astype(np.float32) + u
     q = np.clip(np.floor(t.astype(np.float32)), -L, L).astype(np.int64)
-    sent = q.astype(np.float32) * (scale / np.float32(L))
+    sent = q.astype(np.float32) * (s / np.float32(L))
     return q, sent, ref_pack(q + L, lane)
 
 
@@ -82,9 +88,16 @@ def ref_pack(lanes, lane):
     return np.bitwise_or.reduce(padded.reshape(nw, per) << shifts, axis=1) if nw else np.zeros(0, np.uint64)
 
 
-def ref_unpack_sum(total_levels, bits, c, scale):
+def ref_unpack_sum(total_levels, bits, c, scale, scale_log2=None):
     L = (1 << (bits - 1)) - 1
-    return (total_levels - L * c).astype(np.float32) * (np.float32(scale) / np.float32(L))
+    s = ref_entry_scales(scale, total_levels.size, scale_log2)
+    return (total_levels - L * c).astype(np.float32) * (s / np.float32(L))
+
+
+def ref_block_absmax(x, scale_log2):
+    a = np.where(np.isfinite(x), np.abs(x), 0).astype(np.float32)
+    b = 1 << scale_log2
+    return np.array([a[i:i + b].max() for i in range(0, x.size, b)], np.float32)
 
 
 SIZES = [0, 1, 2, 3, 63, 64, 65, 1000, 2**15 - 1, 2**15, 2**15 + 1, 2**16, 2**16 + 5]
@@ -141,6 +154,73 @@ def test_quantize_matches_the_reference_bit_for_bit(bits, n):
         assert np.array_equal(y.numpy().view(np.uint32), sent.view(np.uint32))
         L = T.levels(bits)
         assert q.min(initial=0) >= -L and q.max(initial=0) <= L
+
+
+@pytest.mark.parametrize("scale_log2", [0, 3, 10])
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_and_unpack_with_a_scale_per_block_match_the_reference(scale_log2, n):
+    """A scale per block of 2**scale_log2 entries, blocks of very different magnitudes (as a
+    fused bucket of several tensors), one block at scale 0 and one subnormal: levels, what was
+    sent, words and the decoded sum of 3 clusters bit for bit."""
+    rng = np.random.default_rng(n + 31 * scale_log2)
+    nb = T.scale_count(n, scale_log2)
+    assert nb == -(-n // (1 << scale_log2))
+    mag = rng.choice([1e-4, 1.0, 300.0], nb).astype(np.float32)
+    if nb > 2:
+        mag[1], mag[2] = 0.0, np.float32(1e-44)
+    bits, c = 4, 3
+    lane = T.lane_bits(bits, c)
+    xs = [(rng.standard_normal(n) * mag[np.arange(n) >> scale_log2]).astype(np.float32) for _ in range(c)]
+    maxes = [T.block_absmax(torch.from_numpy(x.copy()), scale_log2) for x in xs]
+    for x, (m, bad) in zip(xs, maxes):
+        assert bad == 0 and m.dtype == np.float32 and np.array_equal(m, ref_block_absmax(x, scale_log2))
+    scales = np.maximum.reduce([m for m, _ in maxes]) if n else np.zeros(0, np.float32)
+    words_sum = np.zeros(T.words_for(n, lane), np.uint64)
+    total = np.zeros(n, np.int64)
+    for r, x in enumerate(xs):
+        y = torch.from_numpy(x.copy())
+        words = T.quantize(y, bits, scales, key=r + 5, lane=lane, stochastic=r != 1, scale_log2=scale_log2)
+        q, sent, ref_words = ref_quantize(x, bits, scales, r + 5, lane, r != 1, scale_log2)
+        assert np.array_equal(words, ref_words)
+        assert np.array_equal(y.numpy().view(np.uint32), sent.view(np.uint32))
+        with np.errstate(over="ignore"):
+            words_sum = words_sum + words
+        total += q + T.levels(bits)
+    out = T.unpack_sum(words_sum, n, bits, c, lane, scales, scale_log2=scale_log2).numpy()
+    assert np.array_equal(out.view(np.uint32), ref_unpack_sum(total, bits, c, scales, scale_log2).view(np.uint32))
+
+
+def test_a_scale_per_block_keeps_small_tensors_of_a_fused_buffer():
+    """The reason for block scales: a buffer of a large and a small tensor. Under one scale the
+    small one rounds to zero; with a scale per block it is sent within half a step of its own
+    scale."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(1024) * 100, rng.standard_normal(1024) * 1e-3]).astype(np.float32)
+    lane = T.lane_bits(4, 1)
+    one = torch.from_numpy(x.copy())
+    T.quantize(one, 4, float(np.abs(x).max()), key=0, lane=lane, stochastic=False)
+    assert torch.count_nonzero(one[1024:]) == 0
+    blocks = torch.from_numpy(x.copy())
+    scales, _ = T.block_absmax(blocks, 10)
+    T.quantize(blocks, 4, scales, key=0, lane=lane, stochastic=False, scale_log2=10)
+    err = np.abs(blocks.numpy() - x)
+    assert np.all(err[1024:] <= scales[1] / 7 / 2 * (1 + 1e-6)) and torch.count_nonzero(blocks[1024:]) > 500
+
+
+def test_scale_arguments_are_checked():
+    lane = T.lane_bits(4, 1)
+    with pytest.raises(ValueError, match="stella_thc_quantize"):          # 3 blocks of 2, 2 scales
+        T.quantize(torch.ones(5), 4, np.ones(2, np.float32), key=1, lane=lane, scale_log2=1)
+    with pytest.raises(ValueError, match="stella_thc_quantize"):          # a NaN scale in a later block
+        T.quantize(torch.ones(4), 4, np.array([1.0, np.nan], np.float32), key=1, lane=lane, scale_log2=1)
+    words = T.quantize(torch.ones(4), 4, np.ones(2, np.float32), key=1, lane=lane, scale_log2=1)
+    with pytest.raises(ValueError, match="stella_thc_unpack_sum"):
+        T.unpack_sum(words, 4, 4, 1, lane, np.array([1.0, -1.0], np.float32), scale_log2=1)
+    for bad in (-1, T.ONE_SCALE + 1):
+        with pytest.raises(ValueError, match="stella_thc_scale_count"):
+            T.scale_count(4, bad)
+    for n in (2**31 - 1, 2**31, 2**31 + 1, 2**40):   # counts only, nothing allocated
+        assert T.scale_count(n, 10) == -(-n // 1024) and T.scale_count(n, T.ONE_SCALE) == 1
 
 
 def test_stochastic_rounding_is_unbiased_and_error_bounded():
