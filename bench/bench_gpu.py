@@ -14,8 +14,8 @@ In one run:
    paced at the same rate by a comm hook, since all its bytes cross the link) -- median of the
    timed steps, ratios to DDP;
 3. the CPU engine with the model on the GPU, staleness 0 against 1: mean wall time per step and GPU
-   idle time per step (wall minus the time the compute stream was busy, from CUDA events around
-   forward and backward).
+   idle time per step (that wall time minus the time forward and backward alone take, measured
+   on the same model and batch without collectives).
 
 Parts 2 and 3 run under ``mpirun -np 2`` launched by this script (``--worker``).
 """
@@ -125,12 +125,12 @@ def worker(args):
         x = torch.randn(batch, width, generator=g)
         return x.to(dev), torch.randint(0, 10, (batch,), generator=g).to(dev)
 
-    def run_steps(model, opt, width, steps, events=False, finish=None):
+    def run_steps(model, opt, width, steps, finish=None):
         """Per-step wall times of ``steps`` steps after one untimed step. One barrier before the
         timed steps, none between them: a barrier queues behind the pipeline's work and would
         hide what a pipelined step (CPU engine, staleness 1) still waits for. ``finish`` (the
         CPU engine's wait_updates) runs inside the last step's time, so the last update counts."""
-        times, busy = [], []
+        times = []
         for step in range(steps + 1):
             x, y = data(width, step)
             if step <= 1:
@@ -139,24 +139,32 @@ def worker(args):
                 _sync(dev)
                 hvd.barrier()
             t0 = time.perf_counter()
-            start = torch.cuda.Event(enable_timing=True) if events else None
-            end = torch.cuda.Event(enable_timing=True) if events else None
             opt.zero_grad()
-            if events:
-                start.record()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
-            if events:
-                end.record()
             opt.step()
             if step == steps and finish is not None:
                 finish()
             _sync(dev)
             if step:
                 times.append(time.perf_counter() - t0)
-                if events:
-                    busy.append(start.elapsed_time(end) / 1e3)
-        return times, busy
+        return times
+
+    def compute_only(width, hidden, depth, reps=5):
+        """Seconds of one step's forward and backward alone (no collective, no optimizer): the
+        GPU's busy time per step, against which a step's idle time is measured. (CUDA events
+        around forward and backward would count a forward pre-hook's wait for an update as busy.)"""
+        model = mlp(width, hidden, depth).to(dev)
+        x, y = data(width, 0)
+        times = []
+        for _ in range(reps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
 
     for name in args.models:
         width, hidden, depth = MODELS[name]
@@ -170,12 +178,12 @@ def worker(args):
                 ddp = torch.nn.parallel.DistributedDataParallel(model)
                 ddp.register_comm_hook(None, paced_allreduce_hook(args.rate))
                 opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-                times, _ = run_steps(ddp, opt, width, args.steps)
+                times = run_steps(ddp, opt, width, args.steps)
             else:
                 comp = hvd.Compression.none if mode == "dense" else hvd.Compression.cacheaware(density=args.density)
                 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                                named_parameters=model.named_parameters(), compression=comp)
-                times, _ = run_steps(model, opt, width, args.steps)
+                times = run_steps(model, opt, width, args.steps)
             worst = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name="bench.%s.%s" % (name, mode))
             row[mode + "_step_s"] = float(worst)
             if hvd.rank() == 0:
@@ -187,17 +195,19 @@ def worker(args):
 
     name = args.models[0]
     width, hidden, depth = MODELS[name]
+    busy = compute_only(width, hidden, depth) if dev.type == "cuda" else None
+    results["cpu_engine"]["compute_s"] = busy
     for staleness in (0, 1):
         torch.manual_seed(0)
         model = mlp(width, hidden, depth).to(dev)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                        named_parameters=model.named_parameters(), engine="cpu", staleness=staleness,
                                        model=model, compression=hvd.Compression.cacheaware(density=args.density))
-        times, busy = run_steps(model, opt, width, args.steps, events=dev.type == "cuda", finish=opt.wait_updates)
+        times = run_steps(model, opt, width, args.steps, finish=opt.wait_updates)
         opt.drain()
         # means, not medians: with staleness 1 the waits fall on some steps only
         wall = statistics.mean(times)
-        idle = statistics.mean([t - b for t, b in zip(times, busy)]) if busy else None
+        idle = max(0.0, wall - busy) if busy is not None else None
         results["cpu_engine"]["staleness%d" % staleness] = {"model": name, "step_s": wall, "gpu_idle_s": idle}
         if hvd.rank() == 0:
             print("cpu engine staleness %d: step %.3f s, GPU idle %s" % (staleness, wall,

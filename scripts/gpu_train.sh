@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine (after scripts/gpu_probe.sh has set up its venv): the byte-level LM of
+# On a GPU machine (after PARTS=setup bash scripts/run_gpu.sh has set up its venv): the byte-level LM of
 # examples/train_horovod.py with CUDA tensors, 2 clusters of 1 rank sharing the GPU, the
 # cross-cluster link paced at RATE bit/s, each mode for BUDGET seconds of training; JSON per mode
 # and one log in $OUT. bench/gpu_time_to_loss.py $OUT turns the JSONs into the time-to-loss table.
