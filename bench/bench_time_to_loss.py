@@ -46,6 +46,7 @@ MODES = {
     "d0.01": ["--mode", "sparse:{c}", "--density", "0.01"],
     "d0.1": ["--mode", "sparse:{c}", "--density", "0.1"],
     "adapt": ["--mode", "adapt:{c}", "--density", "0.01"],
+    "adapt+thc": ["--mode", "adapt:{c}", "--density", "0.01", "--thc-bits", "2", "4", "8"],
     "local8": ["--mode", "local:8"],
     "diloco8": ["--mode", "diloco:8"],
     "local8+sparse": ["--mode", "local:8:{c}", "--density", "0.01"],
@@ -61,7 +62,7 @@ PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communicatio
            "local8+thc"),
 }
 TORCH_PEERS = ("ddp", "powersgd", "postlocal8")
-STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "local8+sparse"}
+STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "adapt+thc", "local8+sparse"}
 
 
 def run_one(rate, mode, args, tmp):
@@ -74,7 +75,7 @@ def run_one(rate, mode, args, tmp):
            os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
            "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
            "--out", out] + how
-    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse"}:
+    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse", "adapt+thc"}:
         cmd.append("--momentum-correction")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)

@@ -123,6 +123,8 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--overlap", action="store_true", help="local:H / diloco:H: LocalSteps(overlap=True)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
+    p.add_argument("--thc-bits", type=int, nargs="*", default=[],
+                   help="adapt modes: THC rungs the adjuster may choose besides the densities (hvd.Adjuster(thc_bits=))")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
@@ -171,7 +173,8 @@ def main():
             comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
         adjuster = None
         if kind in ("adapt", "cpuadapt"):
-            adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target)
+            adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target,
+                                    thc_bits=tuple(args.thc_bits))
         if kind in ("cpu", "cpuadapt"):
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            engine="cpu", staleness=1, model=model, adjuster=adjuster)

@@ -56,7 +56,15 @@ Decisions move along one ladder of rungs, from the most conservative to the most
 
     (P=max_passes, min_density) ... (P=2, min_density) (P=1, min_density) ... (P=1, max_density)
 
-(the accumulation rungs only with ``allow_accumulation``). Under ``"step_time"``: the payload's share of the step over what the
+(the accumulation rungs only with ``allow_accumulation``). With ``Adjuster(thc_bits=(2, 4, 8))``
+THC rungs sit between the last density below 1 and dense: ``... (1, 10 %) (1, thc 2) (1, thc 4)
+(1, thc 8) (1, dense)``. A THC rung sends every entry: its payload is the entries exchanged per
+step on the bottleneck channel (counted) times its wire cost per entry (the lane width for the
+number of clusters and the allreduce's volume, given by the session), its fixed cost is the one
+measured on THC rungs (before any: the sparse route's, so the rung is tried and measured), and
+its backlog is ``kappa_thc / L`` (``thc_backlog_shape``), kappa_thc measured on THC rungs (1
+before any). The sparse payload per unit density is taken from sparse rungs below density 1
+only (a dense or THC step sends no indices). Under ``"step_time"``: the payload's share of the step over what the
 target allows only grows along the ladder, so the rungs that fit the budget form a prefix and the highest
 fitting rung is well defined; a lower bandwidth can only lower it (monotone). Hysteresis (on that
 excess ratio): stay while the current rung fits within ``1 + hysteresis``; move up only to a
@@ -72,8 +80,14 @@ from .settings import AdjusterSettings
 # One row per rank and window; the plumbing fills it in this order (one source of truth).
 ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", "exchange_s", "engine_s",
               "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group",
-              "residual_sq", "grad_sq")
+              "residual_sq", "grad_sq", "bits", "elements")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
+
+
+def _get(row, name, default=0.0):
+    """A field of a row; ``default`` for rows recorded before the field existed (shorter)."""
+    i = F[name]
+    return row[i] if i < len(row) else default
 HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 
 
@@ -90,6 +104,9 @@ class Estimate:
     wan_bandwidth_bps: float    # all shard channels together, bits/s
     step_s: float               # measured step time
     backlog_kappa: float = 1.0  # residual-to-gradient norm ratio over sqrt((1 - d) / d)
+    elements: float = 0.0       # entries exchanged per step on the bottleneck channel (THC rungs' payload)
+    fixed_thc_s: Optional[float] = None   # fixed_s measured on THC rungs (None: not yet; fixed_s is used)
+    backlog_kappa_thc: float = 1.0        # THC's residual-to-gradient norm ratio over 1 / L
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,7 @@ class Decision:
     changed: bool
     estimate: Optional[Estimate] = None
     predicted_step_s: Optional[float] = None
+    bits: int = 0                      # a THC rung: every entry at this many bits (density is then 1)
 
 
 def _median(xs):
@@ -122,32 +140,41 @@ def sample_from_rows(rows, overlap):
     if not groups or compute <= 0:
         return None
     density = rows[0][F["density"]]
+    bits = int(_get(rows[0], "bits"))
     channels = []
     for g, members in sorted(groups.items()):
         nbytes = max(m[F["wan_bytes"]] for m in members)
         msgs = max(m[F["wan_messages"]] for m in members)
         secs = min(m[F["exchange_s"]] for m in members)
         transfer = max(secs - msgs * latency, 1e-6)
-        channels.append((nbytes, msgs, secs, 8.0 * nbytes / transfer))
-    nbytes, msgs, secs, bw = min(channels, key=lambda c: c[3])
+        channels.append((nbytes, msgs, secs, 8.0 * nbytes / transfer, max(_get(m, "elements") for m in members)))
+    nbytes, msgs, secs, bw, elements = min(channels, key=lambda c: c[3])
     if overlap:
         rest = max(r[F["engine_s"]] for r in rows) - secs
     else:
         rest = step - compute * rows[0][F["passes"]] - secs   # selection, merge, optimizer, waits
     backlog = None   # rows recorded before the norms were gathered are shorter
-    if len(rows[0]) == len(ROW_FIELDS) and density < 1.0:
+    if len(rows[0]) > F["grad_sq"] and (density < 1.0 or bits):
         grad = sum(r[F["grad_sq"]] for r in rows)
         res = sum(r[F["residual_sq"]] for r in rows)
         if grad > 0 and res > 0:   # no residual below density 1: no error feedback, nothing measured
             backlog = math.sqrt(res / grad)
     return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
-            "bytes": nbytes, "exchange_s": secs, "bytes_per_density": nbytes / density,
-            "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog}
+            "bytes": nbytes, "exchange_s": secs, "bytes_per_density": None if bits else nbytes / density,
+            "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog,
+            "bits": bits, "elements": elements}
 
 
 def backlog_shape(density):
     """How the residual-to-gradient norm ratio grows as the density falls: sqrt((1 - d) / d)."""
     return math.sqrt(max(1.0 - density, 0.0) / density)
+
+
+def thc_backlog_shape(bits):
+    """THC's residual-to-gradient norm ratio, up to a factor: 1 / L, L = 2**(bits-1) - 1. With
+    nearest rounding and error feedback the residual stays within half a step, scale / (2 L),
+    per rotated entry; the scale is a block's largest entry, a few times the gradient's rms."""
+    return 1.0 / ((1 << (int(bits) - 1)) - 1)
 
 
 def fit_overhead(history, floor):
@@ -196,14 +223,20 @@ def split_batch(global_batch, throughput, current, tolerance=0.1):
 class Controller:
     """Deterministic decisions from gathered telemetry rows (one instance per rank).
 
-    ``overlap``: the CPU engine with staleness 1 (communication runs beside compute)."""
+    ``overlap``: the CPU engine with staleness 1 (communication runs beside compute).
+    ``thc_bytes``: {bits: wire bytes per exchanged entry} of the THC rungs (``thc_bits``), from
+    the session (lane widths and the allreduce's volume are the kernels' and the route's)."""
     settings: AdjusterSettings
     overlap: bool = False
     density: float = None
     passes: int = 1
     batch: Optional[Tuple[int, ...]] = None
+    thc_bytes: dict = field(default_factory=dict)
+    bits: int = 0        # 0: the sparse route at ``density``; else the THC rung of that many bits
     history: list = field(default_factory=list)
     kappa: float = 1.0   # the backlog's scale: the last one measured (1 before any)
+    kappa_thc: float = 1.0   # THC's backlog over thc_backlog_shape: the last one measured (1 before any)
+    _known: dict = field(default_factory=dict)   # last estimates of what only some rungs measure
     _up_candidates: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -213,15 +246,22 @@ class Controller:
             self.density = s.max_density
         self.density = min(max(self.density, s.min_density), s.max_density)
         self.passes = max(1, int(self.passes))
+        missing = [b for b in s.thc_bits if b not in self.thc_bytes]
+        if missing:
+            raise ValueError("Controller: no wire cost for the THC rungs of %s bits" % missing)
         passes = list(range(int(s.max_backward_passes), 1, -1)) if s.allow_accumulation else []
-        # rungs from the most conservative to the most aggressive
-        self.rungs = [(p, self.levels[0]) for p in passes] + [(1, d) for d in self.levels]
-        if self.passes > 1 and not s.allow_accumulation:
-            self.rungs = [(self.passes, d) for d in self.levels]   # the user's fixed accumulation
+        # rungs (passes, density, bits) from the most conservative to the most aggressive: the
+        # THC rungs after the sparse densities below 1, before dense
+        p1 = self.passes if self.passes > 1 and not s.allow_accumulation else 1   # the user's fixed accumulation
+        sparse = [(p1, d, 0) for d in self.levels if d < 1.0]
+        dense = [(p1, d, 0) for d in self.levels if d >= 1.0]
+        self.rungs = [(p, self.levels[0], 0) for p in passes if p1 == 1] + sparse + \
+            [(p1, 1.0, b) for b in s.thc_bits] + dense
 
     def _rung(self):
         """Index of the rung nearest to the current setting."""
-        return min(range(len(self.rungs)), key=lambda i: (abs(self.rungs[i][0] - self.passes),
+        return min(range(len(self.rungs)), key=lambda i: (self.rungs[i][2] != self.bits,
+                                                          abs(self.rungs[i][0] - self.passes),
                                                           abs(math.log(self.rungs[i][1] / self.density))))
 
     def estimate(self):
@@ -234,37 +274,72 @@ class Controller:
         bws = [8.0 * h["bytes"] / max(h["exchange_s"] - overhead, 1e-6) for h in recent]
         bw = _median(bws)
         wire_now = [overhead + 8.0 * h["bytes"] / bw for h in recent]
-        fixed = _median([max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)])
-        kappas = [h["backlog"] / backlog_shape(h["density"]) for h in recent if h.get("backlog") is not None]
+        fixed = [max(h["rest_s"] + h["exchange_s"] - w, 0.0) for h, w in zip(recent, wire_now)]
+        kappas = [h["backlog"] / backlog_shape(h["density"]) for h in recent
+                  if h.get("backlog") is not None and not h.get("bits")]
         if kappas:   # kept: at the dense rung nothing is measured, and forgetting it would oscillate
             self.kappa = _median(kappas)
-        return Estimate(compute_s=_median([h["compute_s"] for h in recent]), fixed_s=fixed,
+        kappas = [h["backlog"] / thc_backlog_shape(h["bits"]) for h in recent
+                  if h.get("backlog") is not None and h.get("bits")]
+        if kappas:
+            self.kappa_thc = _median(kappas)
+        # what only some rungs measure is kept from the last windows that did: the sparse
+        # payload per unit density (sparse rungs below 1: a dense rung sends no indices), and
+        # the fixed cost of each route
+        kinds = {"bytes_per_density": [h["bytes_per_density"] for h in recent
+                                       if not h.get("bits") and h["density"] < 1.0],
+                 "fixed_sparse": [f for h, f in zip(recent, fixed) if not h.get("bits")],
+                 "fixed_thc": [f for h, f in zip(recent, fixed) if h.get("bits")]}
+        for key, xs in kinds.items():
+            if xs:
+                self._known[key] = _median(xs)
+        bpd = self._known.get("bytes_per_density")
+        if bpd is None:   # only dense samples so far
+            bpd = _median([h["bytes_per_density"] for h in recent if h["bytes_per_density"] is not None] or [0.0])
+        return Estimate(compute_s=_median([h["compute_s"] for h in recent]),
+                        fixed_s=self._known.get("fixed_sparse", self._known.get("fixed_thc", 0.0)),
                         backlog_kappa=self.kappa,
                         latency_s=overhead / msgs if msgs else lat, messages=msgs,
-                        bytes_per_density=_median([h["bytes_per_density"] for h in recent]), bandwidth_bps=bw,
+                        bytes_per_density=bpd, bandwidth_bps=bw,
                         wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
-                        step_s=_median([h["step_s"] for h in recent]))
+                        step_s=_median([h["step_s"] for h in recent]),
+                        elements=_median([h.get("elements", 0.0) for h in recent]),
+                        fixed_thc_s=self._known.get("fixed_thc"), backlog_kappa_thc=self.kappa_thc)
 
-    def predict(self, est, passes, density):
-        wire = est.messages * est.latency_s + 8.0 * est.bytes_per_density * density / est.bandwidth_bps
+    def predict(self, est, passes, density, bits=0):
+        """Predicted step time of a rung: a sparse one (bits 0) by its payload per unit density,
+        a THC one by its entries times their wire cost, with its own fixed cost once measured
+        (before: the sparse route's, and the rung is tried to measure it)."""
+        if bits:
+            payload = est.elements * self.thc_bytes[bits]
+            fixed = est.fixed_thc_s if est.fixed_thc_s is not None else est.fixed_s
+        else:
+            payload = est.bytes_per_density * density
+            fixed = est.fixed_s
+        wire = est.messages * est.latency_s + 8.0 * payload / est.bandwidth_bps
         if self.overlap:
-            return max(passes * est.compute_s, est.fixed_s + wire)
-        return passes * est.compute_s + est.fixed_s + wire
+            return max(passes * est.compute_s, fixed + wire)
+        return passes * est.compute_s + fixed + wire
+
+    def backlog(self, est, density, bits=0):
+        """The error-feedback backlog a rung leaves (residual-to-gradient norm ratio)."""
+        if bits:
+            return est.backlog_kappa_thc * thc_backlog_shape(bits)
+        return est.backlog_kappa * backlog_shape(density)
 
     def _ratio(self, est, i):
         """Step time the rung's WAN payload adds, over what the target allows (<= 1: fits).
         What no density changes (selection, merge, optimizer, message latency) is not counted:
         when it alone breaks the target, a lower density would cost accuracy and save nothing."""
-        p, d = self.rungs[i]
+        p, d, b = self.rungs[i]
         allowed = max((self.settings.target - 1.0) * p * est.compute_s, 1e-9)
-        return max(self.predict(est, p, d) - self.predict(est, p, 0.0), 0.0) / allowed
+        return max(self.predict(est, p, d, b) - self.predict(est, p, 0.0), 0.0) / allowed
 
     def score(self, est, i):
         """The time-to-loss objective of rung ``i``: predicted seconds per sample, weighted by the
         error-feedback backlog the rung's density leaves (lower is better)."""
-        p, d = self.rungs[i]
-        backlog = est.backlog_kappa * backlog_shape(d)
-        return self.predict(est, p, d) / p * (1.0 + self.settings.backlog_cost * backlog)
+        p, d, b = self.rungs[i]
+        return self.predict(est, p, d, b) / p * (1.0 + self.settings.backlog_cost * self.backlog(est, d, b))
 
     def _choose_by_score(self, est, cur):
         """The best rung overall, if it beats the current one by the dead band; up by half a
@@ -295,7 +370,7 @@ class Controller:
         batch, batch_reason = self._split(rows)
         if sample is None:
             return self._decide(self.density, self.passes, batch, batch_reason or "no cross-cluster traffic yet",
-                                None, None)
+                                None, None, self.bits)
         self.history = (self.history + [sample])[-max(int(s.window), HISTORY):]
         est = self.estimate()
         cur = self._rung()
@@ -316,15 +391,14 @@ class Controller:
             new = max([i for i in range(len(self.rungs)) if fits[i] <= 1.0], default=0)
             reason = "communication exceeds the budget" if new > 0 or fits[0] <= 1.0 else \
                 "even the most conservative setting cannot hide communication"
-        p, d = self.rungs[new]
+        p, d, b = self.rungs[new]
+        predicted = self.predict(est, p, d, b)
         why = "%s: link %.0f Mbit/s, compute %.0f ms, predicted step %.0f ms (%.2fx compute, %s)" % (
-            reason, est.bandwidth_bps / 1e6, 1000 * est.compute_s, 1000 * self.predict(est, p, d),
-            self.predict(est, p, d) / (p * est.compute_s),
-            "target %.2fx" % s.target if s.objective == "step_time" else
-            "backlog %.2f" % (est.backlog_kappa * backlog_shape(d)))
+            reason, est.bandwidth_bps / 1e6, 1000 * est.compute_s, 1000 * predicted, predicted / (p * est.compute_s),
+            "target %.2fx" % s.target if s.objective == "step_time" else "backlog %.2f" % self.backlog(est, d, b))
         if batch_reason:
             why += "; " + batch_reason
-        return self._decide(d, p, batch, why, est, self.predict(est, p, d))
+        return self._decide(d, p, batch, why, est, predicted, b)
 
     def _split(self, rows):
         s = self.settings
@@ -337,9 +411,10 @@ class Controller:
         new = split_batch(int(s.global_batch), tp, current)
         return new, ("batch split %s by throughput" % list(new) if new != current else None)
 
-    def _decide(self, density, passes, batch, reason, est, predicted):
-        changed = (density != self.density or passes != self.passes or (batch is not None and batch != self.batch))
-        self.density, self.passes = density, passes
+    def _decide(self, density, passes, batch, reason, est, predicted, bits):
+        changed = (density != self.density or passes != self.passes or bits != self.bits or
+                   (batch is not None and batch != self.batch))
+        self.density, self.passes, self.bits = density, passes, bits
         if batch is not None:
             self.batch = batch
-        return Decision(density, passes, self.batch, reason, changed, est, predicted)
+        return Decision(density, passes, self.batch, reason, changed, est, predicted, bits)

@@ -20,9 +20,12 @@ import time
 
 import numpy as np
 
+from .._native import thc as thc_kernels
 from ..api.handles import synchronize
 from ..base import timeline
 from ..base.errors import HorovodInternalError
+from ..comm.hierarchy import allreduce_bytes
+from ..compression import THCCompressor
 from ..core import state
 from ..core.collective_thread import Op
 from .controller import F, ROW_FIELDS, Controller, split_batch
@@ -48,6 +51,16 @@ def execute_gather(pset, desc, inputs, joined):
 KEEP_WINDOWS = 4096
 
 
+def thc_wire_bytes(bits, nclusters, block_log2=10, n=1 << 20):
+    """Bytes one rank sends per exchanged entry on a THC rung of ``bits`` bits among
+    ``nclusters`` clusters, as the route counts them (thc_exchange): the summed words and the
+    block scales with their flag, each an allreduce; over ``n`` entries (large: the per-bucket
+    rounding of words and scales is left out)."""
+    words = thc_kernels.words_for(n, thc_kernels.lane_bits(bits, nclusters))
+    scales = thc_kernels.scale_count(n, block_log2) + 1
+    return (allreduce_bytes(8 * words, nclusters) + allreduce_bytes(4 * scales, nclusters)) / n
+
+
 def adjust_session(adjuster, compression, process_set, overlap, passes):
     """The AdjustSession of an optimizer, or None where there is nothing to adjust: no adjuster,
     a rank outside the process set, or a single cluster (no cross-cluster exchange)."""
@@ -71,9 +84,11 @@ class AdjustSession:
         self.delay = 2 if overlap else 1
         levels = settings.densities()
         start = min(levels, key=lambda d: abs(np.log(d / compression.density)))
+        self.base_compression = compression   # the sparse compressor whose density the rungs set
         self.compression = compression.with_density(start)
         self.start_density = start
-        self.controller = Controller(settings, overlap=overlap, density=start, passes=passes)
+        thc_bytes = {b: thc_wire_bytes(b, topo.num_clusters) for b in settings.thc_bits}
+        self.controller = Controller(settings, overlap=overlap, density=start, passes=passes, thc_bytes=thc_bytes)
         self.batch = None
         if settings.batch_split:
             self.controller.batch = split_batch(settings.global_batch, [1.0] * process_set.size(), None)
@@ -83,7 +98,7 @@ class AdjustSession:
         self.decisions = collections.deque(maxlen=KEEP_WINDOWS)
         self.trace = collections.deque(maxlen=KEEP_WINDOWS)
         self._stats = state.current().wan_stats
-        self._stats.annotate(adjust_density=start, adjust_passes=passes, adjust_reason="start",
+        self._stats.annotate(adjust_density=start, adjust_passes=passes, adjust_bits=0, adjust_reason="start",
                              adjust_step=0)
         self._sums = np.zeros(len(ROW_FIELDS))
         self._timed = 0
@@ -117,7 +132,7 @@ class AdjustSession:
         takes effect from the next step, or None."""
         now = time.perf_counter()
         c = self.controller
-        self._stats.annotate(adjust_density=c.density, adjust_passes=c.passes)   # what this step ran with
+        self._stats.annotate(adjust_density=c.density, adjust_passes=c.passes, adjust_bits=c.bits)   # this step's
         if self._t_end is not None and self._collecting:
             step_s = now - self._t_end
             inside = now - self._t_enter if self._t_enter is not None else 0.0
@@ -139,7 +154,8 @@ class AdjustSession:
                    cpu_s=last["select_s"] + last["encode_s"] + last["decode_s"] + last["merge_s"],
                    exchange_s=last["exchange_s"], engine_s=last.get("engine_s", 0.0),
                    wan_bytes=max(last["wan_bytes_sent"], last["wan_bytes_received"]),
-                   wan_messages=last["wan_messages"], residual_sq=last["residual_sq"], grad_sq=last["grad_sq"])
+                   wan_messages=last["wan_messages"], residual_sq=last["residual_sq"], grad_sq=last["grad_sq"],
+                   elements=last["elements"])
         values = np.array([row[k] for k in ROW_FIELDS], dtype=np.float64)
         values[~np.isfinite(values)] = 0.0   # a NaN gradient's norm must not end the job at the gather
         self._sums += values
@@ -151,7 +167,7 @@ class AdjustSession:
         row = self._sums / self._timed
         c = self.controller
         fixed = {"steps": self._timed, "latency_s": self._latency, "batch": self.batch or 0, "density": c.density,
-                 "passes": c.passes, "cluster": self._where[0], "group": self._where[1]}
+                 "passes": c.passes, "cluster": self._where[0], "group": self._where[1], "bits": c.bits}
         for k, v in fixed.items():
             row[F[k]] = v
         name = "adjuster.telemetry.%d" % step
@@ -169,31 +185,38 @@ class AdjustSession:
         self.idle(time.perf_counter() - t0)
         self._pending = None
         self._latency = seconds
-        old = (self.controller.density, self.controller.passes, self.controller.batch)
+        old = (self.controller.density, self.controller.passes, self.controller.batch, self.controller.bits)
         d = self.controller.observe(rows.tolist())
-        if d.density != old[0]:
-            self.compression = self.compression.with_density(d.density)
+        if (d.density, d.bits) != (old[0], old[3]):
+            # the residuals stay: both routes keep them per tensor and shard under the same key,
+            # as what is yet to be sent
+            self.compression = THCCompressor(bits=d.bits) if d.bits else \
+                self.base_compression.with_density(d.density)
         if d.batch is not None:
             self.batch = d.batch[self._me]
         self.decisions.append((step, d))
         self.trace.append({"step": step, "rows": rows.tolist(), "decided_density": d.density,
-                           "decided_passes": d.passes})
+                           "decided_passes": d.passes, "decided_bits": d.bits})
         est = d.estimate
-        self._stats.annotate(adjust_reason=d.reason, adjust_next_density=d.density,
+        self._stats.annotate(adjust_reason=d.reason, adjust_next_density=d.density, adjust_next_bits=d.bits,
                              adjust_step=step if d.changed else self._stats.info().get("adjust_step", 0),
                              wan_bandwidth_bps=est.wan_bandwidth_bps if est else None,
                              wan_latency_s=est.latency_s if est else None,
                              local_batch=self.batch)
-        timeline.instant("ADJUSTER", step=step, density=d.density, previous_density=old[0], passes=d.passes,
+        timeline.instant("ADJUSTER", step=step, density=d.density, previous_density=old[0], bits=d.bits, passes=d.passes,
                          changed=bool(d.changed), reason=d.reason,
                          wan_bandwidth_bps=est.wan_bandwidth_bps if est else None)
         if d.changed:
             log.log(logging.INFO if self._me == 0 else logging.DEBUG,
-                    "adjuster: from step %d density %g -> %g, backward passes %d -> %d%s: %s", step, old[0],
-                    d.density, old[1], d.passes, (", batch %s" % list(d.batch)) if d.batch != old[2] else "",
-                    d.reason)
+                    "adjuster: from step %d %s -> %s, backward passes %d -> %d%s: %s", step,
+                    _rung_name(old[0], old[3]), _rung_name(d.density, d.bits), old[1], d.passes,
+                    (", batch %s" % list(d.batch)) if d.batch != old[2] else "", d.reason)
         self._collecting = True
         return d
+
+
+def _rung_name(density, bits):
+    return "thc %d bits" % bits if bits else "density %g" % density
 
 
 class AdjustedOptimizer:

@@ -1,7 +1,7 @@
 """The adjuster's settings: what the user asks of it (``hvd.Adjuster``)."""
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class AdjusterSettings:
     window: windows whose median makes an estimate.
     hysteresis: half-width of the dead band around the budget (a fraction).
     levels_per_decade: density levels between min and max (geometric).
+    thc_bits: THC rungs offered besides the densities, e.g. (2, 4, 8): the exchange then sends
+        every entry at that many bits, summed on the wire (``hvd.Compression.thc``; its
+        defaults otherwise). They sit on the ladder after the sparse densities below 1 and
+        before dense. Empty (the default): densities only.
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -41,6 +45,7 @@ class AdjusterSettings:
     window: int = 3
     hysteresis: float = 0.25
     levels_per_decade: int = 6
+    thc_bits: Tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("min_density", "max_density"):
@@ -64,6 +69,11 @@ class AdjusterSettings:
             raise ValueError("Adjuster: hysteresis must be in [0, 0.5), got %r" % self.hysteresis)
         if int(self.levels_per_decade) < 1:
             raise ValueError("Adjuster: levels_per_decade must be >= 1")
+        bits = self.thc_bits
+        if not isinstance(bits, (tuple, list)) or any(isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8
+                                                      for b in bits) or len(set(bits)) != len(bits):
+            raise ValueError("Adjuster: thc_bits must be distinct integers in [2, 8] (THC rungs), got %r" % (bits,))
+        object.__setattr__(self, "thc_bits", tuple(sorted(bits)))
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

@@ -70,6 +70,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
     if getattr(compression, "homomorphic", False):
         _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below)
+    if adjuster is not None and adjuster.thc_bits:
+        _check_thc_rungs(adjuster, engine, momentum_correction)
     if (density_warmup or dense_below) and (engine is not None or op == Adasum):
         raise ValueError("density_warmup and dense_below apply to the synchronous optimizer's sparse route "
                          "(engine=None, op Average or Sum)")
@@ -119,10 +121,23 @@ def _check_homomorphic(compression, engine, adjuster, momentum_correction, densi
         raise ValueError("%s: momentum_correction corrects for entries a sparse selection holds back; thc holds "
                          "none back (its rounding error is fed back as it is)" % what)
     if adjuster is not None:
-        raise ValueError("%s: the adjuster tunes a sparse density; it does not choose thc's bits yet" % what)
+        raise ValueError("%s: the adjuster moves along a ladder of sparse densities; to let it choose thc's "
+                         "bits, pass a sparse compression and hvd.Adjuster(thc_bits=(2, 4, 8))" % what)
     if engine is not None:
         raise ValueError("%s: the CPU engine updates its master shards from the sparse selection; thc's sum is "
                          "dense, use engine=None" % what)
+
+
+def _check_thc_rungs(adjuster, engine, momentum_correction):
+    """An adjuster with THC rungs switches the exchange to Compression.thc on them: refuse what
+    thc refuses (see _check_homomorphic), up front rather than at the switch."""
+    what = "hvd.Adjuster(thc_bits=%r)" % (adjuster.thc_bits,)
+    if engine is not None:
+        raise ValueError("%s: the CPU engine updates its master shards from the sparse selection; thc's sum is "
+                         "dense, so its rungs need engine=None" % what)
+    if momentum_correction:
+        raise ValueError("%s: momentum_correction corrects for entries a sparse selection holds back; on a thc "
+                         "rung none are, so the two do not combine" % what)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

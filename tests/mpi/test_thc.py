@@ -219,6 +219,42 @@ def test_thc_carries_the_pseudo_gradient_of_local_steps():
     assert (len(calls) >= 4) == _crosses()   # 12 steps / 3: four exchanges of the pseudo-gradient
 
 
+def test_adjuster_moves_to_a_thc_rung_on_every_rank_at_the_same_step():
+    """hvd.Adjuster(thc_bits=...): a backlog cost so high that the sparse rung's backlog (about
+    10 at 1 %) outweighs any step time makes the THC rung (backlog ~1/7) the least score. Every
+    rank switches at the same step, the exchange then sends every entry, training goes on with
+    the same parameters everywhere."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.2), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.cacheaware(density=0.01),
+        adjuster=hvd.Adjuster(min_density=0.01, max_density=0.01, thc_bits=(4,), backlog_cost=1000.0, interval=1,
+                              window=1))
+    losses, ran = [], []
+    for step in range(24):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step % 4)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        last = hvd.stats()["last_step"]
+        ran.append((last.get("adjust_bits"), last["density"]))
+    for p in model.parameters():
+        _same_everywhere(p.detach())
+    decisions = [(s, d.density, d.bits) for s, d in opt.adjust_decisions]
+    assert all(d == decisions for d in hvd.allgather_object(decisions))
+    if not _multi_cluster():   # one cluster: nothing crosses, nothing to adjust
+        assert decisions == []
+        return
+    switch = [s for s, _, b in decisions if b == 4]
+    assert switch, decisions
+    assert losses[-1] < losses[0] and all(torch.isfinite(torch.tensor(losses)))
+    if _crosses():   # the steps after the switch sent every entry (THC), the ones before 1 %
+        assert ran[-1] == (4, 1.0), ran
+        assert ran[0][0] == 0 and ran[0][1] < 0.05, ran
+
+
 def test_thc_refuses_what_has_no_meaning_for_it():
     model = _model()
     comp = hvd.Compression.thc(bits=4)
@@ -228,6 +264,13 @@ def test_thc_refuses_what_has_no_meaning_for_it():
                           ({"engine": "cpu"}, "thc")):
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=comp, **kwargs)
+    sparse = hvd.Compression.cacheaware(density=0.01)
+    for kwargs, match in (({"engine": "cpu"}, "CPU engine"), ({"momentum_correction": True}, "momentum_correction")):
+        with pytest.raises(ValueError, match=match):
+            hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=sparse,
+                                     adjuster=hvd.Adjuster(thc_bits=(4,)), **kwargs)
+    with pytest.raises(ValueError, match="thc_bits"):
+        hvd.Adjuster(thc_bits=(3, 3))
     with pytest.raises(ValueError, match="bits"):
         hvd.Compression.thc(bits=1)
     with pytest.raises(ValueError, match="bits"):

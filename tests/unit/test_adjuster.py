@@ -12,18 +12,27 @@ from stella_mpi.adjust.settings import Adjuster
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 2 clusters x 2 ranks; bytes per step and unit density like a 25M-parameter model's shard
 BYTES_PER_DENSITY = 60e6
+ELEMENTS = 7.5e6                                  # entries exchanged per step (8 bytes each when sent sparse)
+THC_BYTES = {2: 0.385, 4: 0.671, 8: 1.147}       # wire bytes per entry of THC at 2 clusters
 
 
 def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise=0.0, rng=None,
-         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1), kappa=1.0):
+         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1), kappa=1.0, bits=0, fixed_thc=None, kappa_thc=1.0):
     """One window of telemetry rows as the plumbing would gather them (the residual-to-gradient
-    norm ratio ``kappa * sqrt((1 - d) / d)``, 0 when dense)."""
+    norm ratio ``kappa * sqrt((1 - d) / d)``, 0 when dense; on a THC rung of ``bits`` bits
+    every entry at THC_BYTES[bits], the ratio ``kappa_thc / L``, the fixed cost ``fixed_thc``)."""
     rng = rng or random.Random(0)
 
     def jit():
         return 1.0 + (rng.uniform(-noise, noise) if noise else 0.0)
     msgs = 4
-    wire = msgs * latency + 8 * BYTES_PER_DENSITY * density / bw_bps
+    payload = ELEMENTS * THC_BYTES[bits] if bits else BYTES_PER_DENSITY * density
+    if bits:
+        density, fixed = 1.0, fixed if fixed_thc is None else fixed_thc
+        ratio_sq = (kappa_thc / ((1 << (bits - 1)) - 1)) ** 2
+    else:
+        ratio_sq = kappa ** 2 * (1 - density) / density
+    wire = msgs * latency + 8 * payload / bw_bps
     out = []
     comps = [compute * passes * batch[r] / 16 / speed[r] * jit() for r in range(4)]
     step = max(comps) + fixed + wire * jit()     # the slowest rank paces a synchronous step
@@ -32,9 +41,9 @@ def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise
         exch = wire * jit() + (skew if r // 2 == 0 else 0.0)   # cluster 0 arrives early, waits
         vals = {"steps": 2, "step_s": step, "compute_s": comp, "idle_s": wire,
                 "optimizer_s": 0.01, "cpu_s": 0.02, "exchange_s": exch, "engine_s": fixed + exch,
-                "wan_bytes": BYTES_PER_DENSITY * density, "wan_messages": msgs, "latency_s": latency * jit(),
+                "wan_bytes": payload, "wan_messages": msgs, "latency_s": latency * jit(),
                 "batch": batch[r], "density": density, "passes": passes, "cluster": r // 2, "group": r % 2,
-                "grad_sq": 2.0, "residual_sq": 2.0 * kappa ** 2 * (1 - density) / density}
+                "grad_sq": 2.0, "residual_sq": 2.0 * ratio_sq, "bits": bits, "elements": ELEMENTS}
         out.append([float(vals[k]) for k in ROW_FIELDS])
     return out
 
@@ -44,7 +53,7 @@ def run(ctrl, bws, noise=0.0, seed=1, **kw):
     rng = random.Random(seed)
     out = []
     for bw in bws:
-        out.append(ctrl.observe(rows(bw, ctrl.density, ctrl.passes, noise=noise, rng=rng, **kw)))
+        out.append(ctrl.observe(rows(bw, ctrl.density, ctrl.passes, noise=noise, rng=rng, bits=ctrl.bits, **kw)))
     return out
 
 
@@ -64,7 +73,7 @@ def test_ladder_and_budget():
     # the chosen density's payload fits the budget, and the next level's would not (within the dead band)
     i = levels.index(d.density)
     assert 0 < i and i + 1 < len(levels)
-    rung = ctrl.rungs.index((1, d.density))
+    rung = ctrl.rungs.index((1, d.density, 0))
     assert ctrl._ratio(d.estimate, rung) <= 1 + s.hysteresis
     assert ctrl._ratio(d.estimate, rung + 1) > 1 - s.hysteresis
 
@@ -209,11 +218,14 @@ def ttl(**kw):
 
 def reference_choice(s, est, rungs):
     """The rung a plain reading of the documented rule picks: least
-    step(d) * (1 + backlog_cost * kappa * sqrt((1 - d) / d))."""
-    def score(p, d):
-        wire = est.messages * est.latency_s + 8.0 * est.bytes_per_density * d / est.bandwidth_bps
-        step = p * est.compute_s + est.fixed_s + wire
-        return step / p * (1 + s.backlog_cost * est.backlog_kappa * ((1 - d) / d) ** 0.5)
+    step(d) * (1 + backlog_cost * kappa * sqrt((1 - d) / d)), and on a THC rung of b bits
+    step(entries * bytes per entry) * (1 + backlog_cost * kappa_thc / L) with THC's fixed cost."""
+    def score(p, d, b):
+        payload = est.elements * THC_BYTES[b] if b else est.bytes_per_density * d
+        fixed = est.fixed_thc_s if b and est.fixed_thc_s is not None else est.fixed_s
+        step = p * est.compute_s + fixed + est.messages * est.latency_s + 8.0 * payload / est.bandwidth_bps
+        backlog = est.backlog_kappa_thc / ((1 << (b - 1)) - 1) if b else est.backlog_kappa * ((1 - d) / d) ** 0.5
+        return step / p * (1 + s.backlog_cost * backlog)
     return min(rungs, key=lambda r: score(*r))
 
 
@@ -227,8 +239,8 @@ def test_time_to_loss_picks_the_least_score(bw):
     s = ttl()
     ctrl = Controller(s)
     d = run(ctrl, [bw] * 12)[-1]
-    assert (d.passes, d.density) == reference_choice(s, d.estimate, ctrl.rungs) or \
-        ctrl.score(d.estimate, ctrl.rungs.index((d.passes, d.density))) <= \
+    assert (d.passes, d.density, d.bits) == reference_choice(s, d.estimate, ctrl.rungs) or \
+        ctrl.score(d.estimate, ctrl.rungs.index((d.passes, d.density, d.bits))) <= \
         ctrl.score(d.estimate, ctrl.rungs.index(reference_choice(s, d.estimate, ctrl.rungs))) / (1 - s.hysteresis / 2)
 
 
@@ -276,6 +288,57 @@ def test_time_to_loss_climbs_to_the_best_rung_half_a_decade_at_a_time():
     first = ds.index(1.0)
     assert set(ds[first:]) == {1.0}, ds          # no oscillation once there
     assert ctrl.kappa == pytest.approx(16.0)
+
+
+def thc_ladder(**kw):
+    return Controller(ttl(thc_bits=(2, 4, 8), **kw), thc_bytes=THC_BYTES)
+
+
+def test_thc_rungs_sit_between_sparse_and_dense():
+    ctrl = thc_ladder()
+    assert [r[2] for r in ctrl.rungs[-4:]] == [2, 4, 8, 0] and ctrl.rungs[-1] == (1, 1.0, 0)
+    assert all(b == 0 and d < 1.0 for _, d, b in ctrl.rungs[:-4])
+    with pytest.raises(ValueError, match="no wire cost"):
+        Controller(ttl(thc_bits=(4,)))
+    for bad in ((1,), (9,), (4, 4), (True,), 4, ("4",)):
+        with pytest.raises(ValueError, match="thc_bits"):
+            ttl(thc_bits=bad)
+    assert ttl(thc_bits=[8, 2]).thc_bits == (2, 8)
+
+
+@pytest.mark.parametrize("bw", [20e6, 100e6, 1e9, 10e9])
+@pytest.mark.parametrize("compute", [0.3, 1.0])
+def test_thc_rungs_least_score(bw, compute):
+    """With THC rungs offered the choice is still the documented rule's least score."""
+    s = ttl(thc_bits=(2, 4, 8))
+    ctrl = Controller(s, thc_bytes=THC_BYTES)
+    d = run(ctrl, [bw] * 16, compute=compute)[-1]
+    best = reference_choice(s, d.estimate, ctrl.rungs)
+    assert (d.passes, d.density, d.bits) == best or \
+        ctrl.score(d.estimate, ctrl.rungs.index((d.passes, d.density, d.bits))) <= \
+        ctrl.score(d.estimate, ctrl.rungs.index(best)) / (1 - s.hysteresis / 2)
+
+
+def test_thc_where_compute_dominates_and_dense_bytes_still_cost_sparse_on_a_slow_link():
+    """1 s of compute at 1 Gbit/s: dense's 60 MB cost 0.48 s, THC's 3 to 9 MB little, and its
+    backlog is small: a THC rung. At 20 Mbit/s no rung that sends every entry pays: sparse."""
+    fast = run(thc_ladder(), [1e9] * 30, compute=1.0)[-1]
+    assert fast.bits in (2, 4, 8) and fast.density == 1.0, fast
+    slow = run(thc_ladder(), [20e6] * 30)[-1]
+    assert slow.bits == 0 and slow.density < 0.1, slow
+
+
+def test_thc_rung_left_when_its_measured_cost_is_high():
+    """THC's fixed cost is unknown until a THC rung runs (the sparse route's is assumed): when
+    the rung then measures 1 s of quantization per step, the controller goes back to sparse and
+    stays there, and the measured backlog of THC is kept."""
+    ctrl = thc_ladder()
+    ds = run(ctrl, [1e9] * 40, compute=1.0, fixed_thc=1.0, kappa_thc=2.0)
+    bits = [d.bits for d in ds]
+    assert any(bits), bits                                    # tried ...
+    assert ds[-1].bits == 0 and not any(bits[-10:]), bits     # ... and left for good
+    assert ctrl.kappa_thc == pytest.approx(2.0)
+    assert ds[-1].estimate.fixed_thc_s == pytest.approx(1.0, rel=0.05)
 
 
 def test_without_error_feedback_nothing_is_measured():
