@@ -167,7 +167,9 @@ def _batch(rank, step):
     return torch.randn(24, 12, generator=g), torch.randint(0, 3, (24,), generator=g)
 
 
-def _train(steps, **kwargs):
+def _train(steps, after_step=None, **kwargs):
+    """``steps`` steps of SGD through DistributedOptimizer(**kwargs); ``after_step(opt)`` after
+    each. The parameters must end the same on every rank."""
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
                                    named_parameters=model.named_parameters(), **kwargs)
@@ -179,6 +181,8 @@ def _train(steps, **kwargs):
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step(opt)
     for p in model.parameters():
         _same_everywhere(p.detach())
     return model, losses
@@ -223,26 +227,17 @@ def test_adjuster_moves_to_a_thc_rung_on_every_rank_at_the_same_step():
     """hvd.Adjuster(thc_bits=...): a backlog cost so high that the sparse rung's backlog (about
     10 at 1 %) outweighs any step time makes the THC rung (backlog ~1/7) the least score. Every
     rank switches at the same step, the exchange then sends every entry, training goes on with
-    the same parameters everywhere."""
-    model = _model()
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.2), named_parameters=model.named_parameters(),
-        compression=hvd.Compression.cacheaware(density=0.01),
-        adjuster=hvd.Adjuster(min_density=0.01, max_density=0.01, thc_bits=(4,), backlog_cost=1000.0, interval=1,
-                              window=1))
-    losses, ran = [], []
-    for step in range(24):
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step % 4)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    the same parameters everywhere (checked by _train)."""
+    ran, opts = [], []
+
+    def record(opt):
         last = hvd.stats()["last_step"]
         ran.append((last.get("adjust_bits"), last["density"]))
-    for p in model.parameters():
-        _same_everywhere(p.detach())
-    decisions = [(s, d.density, d.bits) for s, d in opt.adjust_decisions]
+        opts[:] = [opt]
+    _, losses = _train(24, after_step=record, compression=hvd.Compression.cacheaware(density=0.01),
+                       adjuster=hvd.Adjuster(min_density=0.01, max_density=0.01, thc_bits=(4,), backlog_cost=1000.0,
+                                             interval=1, window=1))
+    decisions = [(s, d.density, d.bits) for s, d in opts[0].adjust_decisions]
     assert all(d == decisions for d in hvd.allgather_object(decisions))
     if not _multi_cluster():   # one cluster: nothing crosses, nothing to adjust
         assert decisions == []
