@@ -51,7 +51,7 @@ def execute_gather(pset, desc, inputs, joined):
 KEEP_WINDOWS = 4096
 
 
-def thc_wire_bytes(bits, nclusters, block_log2=10, n=1 << 20):
+def thc_wire_bytes(bits, nclusters, block_log2, n=1 << 20):
     """Bytes one rank sends per exchanged entry on a THC rung of ``bits`` bits among
     ``nclusters`` clusters, as the route counts them (thc_exchange): the summed words and the
     block scales with their flag, each an allreduce; over ``n`` entries (large: the per-bucket
@@ -87,7 +87,10 @@ class AdjustSession:
         self.base_compression = compression   # the sparse compressor whose density the rungs set
         self.compression = compression.with_density(start)
         self.start_density = start
-        thc_bytes = {b: thc_wire_bytes(b, topo.num_clusters) for b in settings.thc_bits}
+        # the THC rungs' compressors: thc's defaults, error feedback as the base compressor has it
+        self.thc = {b: THCCompressor(bits=b, error_feedback=getattr(compression, "error_feedback", True))
+                    for b in settings.thc_bits}
+        thc_bytes = {b: thc_wire_bytes(b, topo.num_clusters, c.block_log2) for b, c in self.thc.items()}
         self.controller = Controller(settings, overlap=overlap, density=start, passes=passes, thc_bytes=thc_bytes)
         self.batch = None
         if settings.batch_split:
@@ -190,7 +193,7 @@ class AdjustSession:
         if (d.density, d.bits) != (old[0], old[3]):
             # the residuals stay: both routes keep them per tensor and shard under the same key,
             # as what is yet to be sent
-            self.compression = THCCompressor(bits=d.bits) if d.bits else \
+            self.compression = self.thc[d.bits] if d.bits else \
                 self.base_compression.with_density(d.density)
         if d.batch is not None:
             self.batch = d.batch[self._me]

@@ -30,7 +30,7 @@ class AdjusterSettings:
     thc_bits: THC rungs offered besides the densities, e.g. (2, 4, 8): the exchange then sends
         every entry at that many bits, summed on the wire (``hvd.Compression.thc``; its
         defaults otherwise). They sit on the ladder after the sparse densities below 1 and
-        before dense. Empty (the default): densities only.
+        before dense. Empty (the default): densities only. Time-to-loss objective only.
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -74,6 +74,10 @@ class AdjusterSettings:
                                                       for b in bits) or len(set(bits)) != len(bits):
             raise ValueError("Adjuster: thc_bits must be distinct integers in [2, 8] (THC rungs), got %r" % (bits,))
         object.__setattr__(self, "thc_bits", tuple(sorted(bits)))
+        if self.thc_bits and self.objective != "time_to_loss":
+            raise ValueError("Adjuster: thc_bits needs objective='time_to_loss': the step-time objective relies on "
+                             "payloads growing along the ladder, and a THC rung sends fewer bytes than the densest "
+                             "sparse rungs below it")
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

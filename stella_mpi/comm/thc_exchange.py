@@ -41,29 +41,38 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     t0 = time.perf_counter()
     work = comp.begin(host, ctx, memory)
     t1 = time.perf_counter()
-    started = time.monotonic()
-    # the block maxima, then the NaN flag: one float32 MAX over the clusters
+    # the block maxima, then the NaN flag: one MAX over the clusters, on the float32 bit patterns
+    # as int32 (for values >= 0 the same order; integer MAX is exact and associative, so a peer's
+    # NaN or negative value cannot give ranks different results whatever the reduction order)
     agreed = np.append(work.absmax, np.float32(1.0 if work.nonfinite else 0.0)).astype(np.float32)
-    dl.wait(comm.Iallreduce(MPI.IN_PLACE, [agreed, MPI.FLOAT], op=MPI.MAX), "THC scales of %r" % key)
-    scales, flag = agreed[:-1], float(agreed[-1])
+    started = time.monotonic()
+    dl.wait(comm.Iallreduce(MPI.IN_PLACE, [agreed.view(np.int32), MPI.INT32_T], op=MPI.MAX), "THC scales of %r" % key)
     scale_bytes = allreduce_bytes(agreed.nbytes, nclusters)
-    if not (bool(np.isfinite(scales).all()) and bool((scales >= 0).all()) and flag in (0.0, 1.0)):
-        bad = int(np.flatnonzero(~(np.isfinite(scales) & (scales >= 0)))[0]) if scales.size and flag in (0.0, 1.0) else -1
+    hier.pacer.pace(scale_bytes, started)
+    t_scales = time.perf_counter() - t1
+    bits = agreed.view(np.int32)
+    scales, flag = agreed[:-1], int(bits[-1])
+    if not (bool(((bits[:-1] >= 0) & (bits[:-1] < 0x7F800000)).all()) and flag in (0, 0x3F800000)):
+        bad = int(np.flatnonzero((bits[:-1] < 0) | (bits[:-1] >= 0x7F800000))[0]) if flag in (0, 0x3F800000) else -1
         raise PeerPayloadError("THC scales of %r (step %d): the clusters' ranks %s agreed on %s, not finite scales "
-                               "and a flag of 0 or 1; a peer sent garbage" % (
+                               ">= 0 and a flag of 0 or 1; a peer sent garbage" % (
                                    key, step, _ranks(hier, comm, kind),
-                                   "flag %r" % flag if bad < 0 else "scale %r for block %d" % (float(scales[bad]), bad)))
+                                   "flag %r" % float(agreed[-1]) if bad < 0 else
+                                   "scale %r for block %d" % (float(scales[bad]), bad)))
     if flag:   # some cluster holds a NaN or Inf (the executor refuses the result): nothing is sent
         comp.skip_nonfinite(work, memory)
         host.fill_(float("nan"))
-        hier.stats.add(wan_bytes_sent=scale_bytes, wan_bytes_received=scale_bytes, wan_messages=1)
+        hier.stats.add(wan_bytes_sent=scale_bytes, wan_bytes_received=scale_bytes, wan_messages=1,
+                       exchange_s=t_scales)
         return
     scales = np.ascontiguousarray(scales)
     words = comp.quantize(work, scales, nclusters, me)
     t2 = time.perf_counter()
+    started = time.monotonic()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], op=MPI.SUM), "THC lanes of %r" % key)
-    moved = allreduce_bytes(words.nbytes, nclusters) + scale_bytes
-    hier.pacer.pace(moved, started, rounds=2)
+    word_bytes = allreduce_bytes(words.nbytes, nclusters)
+    hier.pacer.pace(word_bytes, started)   # (the quantization between the two rounds is not link time)
+    moved = word_bytes + scale_bytes
     t3 = time.perf_counter()
     try:
         comp.finish(work, words, nclusters, scales, memory)
@@ -74,8 +83,9 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     timeline.record("ENCODE", t0, t2, compressor=comp.name, bits=comp.bits, bytes=words.nbytes)
     timeline.record("WAN_EXCHANGE", t2, t3, bytes_sent=moved, bytes_received=moved, clusters=nclusters)
     timeline.record("DECODE", t3, t4)
+    # exchange: the two rounds (scales, words); encode: begin and quantize, without the scale round
     hier.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=2, elements=n, entries_sent=n,
-                   encode_s=t2 - t0, exchange_s=t3 - t2, decode_s=t4 - t3, select_s=t1 - t0)
+                   encode_s=t2 - t0 - t_scales, exchange_s=t_scales + t3 - t2, decode_s=t4 - t3, select_s=t1 - t0)
     res = memory.get(key) if memory is not None else None
     hier.stats.add_norms(float(torch.dot(res, res)) if res is not None and res.numel() else 0.0, grad_sq)
 

@@ -304,6 +304,8 @@ def test_thc_rungs_sit_between_sparse_and_dense():
         with pytest.raises(ValueError, match="thc_bits"):
             ttl(thc_bits=bad)
     assert ttl(thc_bits=[8, 2]).thc_bits == (2, 8)
+    with pytest.raises(ValueError, match="time_to_loss"):
+        ttl(thc_bits=(4,), objective="step_time")
 
 
 @pytest.mark.parametrize("bw", [20e6, 100e6, 1e9, 10e9])
