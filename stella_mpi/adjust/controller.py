@@ -82,13 +82,13 @@ ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", 
               "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group",
               "residual_sq", "grad_sq", "bits", "elements")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
+HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 
 
 def _get(row, name, default=0.0):
     """A field of a row; ``default`` for rows recorded before the field existed (shorter)."""
     i = F[name]
     return row[i] if i < len(row) else default
-HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 
 
 @dataclass(frozen=True)

@@ -206,8 +206,8 @@ class AdjustSession:
                              wan_bandwidth_bps=est.wan_bandwidth_bps if est else None,
                              wan_latency_s=est.latency_s if est else None,
                              local_batch=self.batch)
-        timeline.instant("ADJUSTER", step=step, density=d.density, previous_density=old[0], bits=d.bits, passes=d.passes,
-                         changed=bool(d.changed), reason=d.reason,
+        timeline.instant("ADJUSTER", step=step, density=d.density, previous_density=old[0], bits=d.bits,
+                         passes=d.passes, changed=bool(d.changed), reason=d.reason,
                          wan_bandwidth_bps=est.wan_bandwidth_bps if est else None)
         if d.changed:
             log.log(logging.INFO if self._me == 0 else logging.DEBUG,

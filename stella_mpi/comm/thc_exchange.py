@@ -28,8 +28,6 @@ from .hierarchy import allreduce_bytes
 from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
 
 
-
-
 def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     """Sum the CPU float32 vector ``host`` over the clusters on ``comm`` through ``comp``
     (a THCCompressor), in place; error feedback in ``memory`` unless it is None."""

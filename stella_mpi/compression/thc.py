@@ -128,10 +128,6 @@ class THCCompressor(Compressor):
         absmax, nonfinite = kernels.block_absmax(rotated, self.block_log2)
         return THCWork(ctx, flat, rotated, absmax, nonfinite)
 
-    def scale_count(self, n):
-        """The scales (blocks of 2**block_log2 entries) of an ``n``-entry shard."""
-        return kernels.scale_count(n, self.block_log2)
-
     def quantize(self, work, scales, nclusters, rank):
         """The words this rank adds (uint64 numpy), with the agreed ``scales`` (one per block);
         ``work.rotated`` becomes what it sent."""

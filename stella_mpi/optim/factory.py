@@ -69,9 +69,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if momentum_correction not in (False, True, "masking"):
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
     if getattr(compression, "homomorphic", False):
-        _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below)
+        what = "DistributedOptimizer(compression=%r)" % compression
+        if adjuster is not None:
+            raise ValueError("%s: the adjuster moves along a ladder of sparse densities; to let it choose thc's "
+                             "bits, pass a sparse compression and hvd.Adjuster(thc_bits=(2, 4, 8))" % what)
+        _check_homomorphic(what, engine, momentum_correction, density_warmup, dense_below)
     if adjuster is not None and adjuster.thc_bits:
-        _check_thc_rungs(adjuster, engine, momentum_correction)
+        _check_homomorphic("hvd.Adjuster(thc_bits=%r)" % (adjuster.thc_bits,), engine, momentum_correction)
     if (density_warmup or dense_below) and (engine is not None or op == Adasum):
         raise ValueError("density_warmup and dense_below apply to the synchronous optimizer's sparse route "
                          "(engine=None, op Average or Sum)")
@@ -111,33 +115,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                density_warmup, dense_below, local_clip)
 
 
-def _check_homomorphic(compression, engine, adjuster, momentum_correction, density_warmup, dense_below):
+def _check_homomorphic(what, engine, momentum_correction, density_warmup=0, dense_below=0):
     """Compression.thc sends every entry, quantized, summed on the wire: what tunes or relies
-    on a sparse selection has no meaning for it (say so rather than ignore the argument)."""
-    what = "DistributedOptimizer(compression=%r)" % compression
+    on a sparse selection has no meaning for it (say so rather than ignore the argument). ``what``
+    names where thc comes from: the compression itself, or an adjuster's THC rungs (refused up
+    front rather than at the switch)."""
     if density_warmup or dense_below:
         raise ValueError("%s: density_warmup and dense_below tune a sparse density; thc sends every entry" % what)
     if momentum_correction:
         raise ValueError("%s: momentum_correction corrects for entries a sparse selection holds back; thc holds "
                          "none back (its rounding error is fed back as it is)" % what)
-    if adjuster is not None:
-        raise ValueError("%s: the adjuster moves along a ladder of sparse densities; to let it choose thc's "
-                         "bits, pass a sparse compression and hvd.Adjuster(thc_bits=(2, 4, 8))" % what)
     if engine is not None:
         raise ValueError("%s: the CPU engine updates its master shards from the sparse selection; thc's sum is "
                          "dense, use engine=None" % what)
-
-
-def _check_thc_rungs(adjuster, engine, momentum_correction):
-    """An adjuster with THC rungs switches the exchange to Compression.thc on them: refuse what
-    thc refuses (see _check_homomorphic), up front rather than at the switch."""
-    what = "hvd.Adjuster(thc_bits=%r)" % (adjuster.thc_bits,)
-    if engine is not None:
-        raise ValueError("%s: the CPU engine updates its master shards from the sparse selection; thc's sum is "
-                         "dense, so its rungs need engine=None" % what)
-    if momentum_correction:
-        raise ValueError("%s: momentum_correction corrects for entries a sparse selection holds back; on a thc "
-                         "rung none are, so the two do not combine" % what)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
