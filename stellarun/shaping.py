@@ -22,14 +22,24 @@ def parse_rate(text):
     return bps
 
 
+LINK_DOWN = 0.0   # a schedule's rate while the link is down ("SECONDS:down")
+
+
 def parse_schedule(text):
-    """'0:500mbit,60:100mbit' -> [(0.0, 500e6), (60.0, 100e6)], times ascending."""
+    """'0:500mbit,60:100mbit' -> [(0.0, 500e6), (60.0, 100e6)], times ascending; 'down' as a
+    rate cuts the link (LINK_DOWN) until the next entry, e.g. '30:down,40:100mbit'."""
     out = []
     for item in str(text).split(","):
         t, sep, rate = item.strip().partition(":")
         if not sep:
-            raise ValueError("schedule entry %r: use SECONDS:RATE, e.g. 60:100mbit" % item)
-        out.append((float(t), parse_rate(rate)))
+            raise ValueError("schedule entry %r: use SECONDS:RATE, e.g. 60:100mbit (or 60:down)" % item)
+        try:
+            at = float(t)
+        except ValueError:
+            raise ValueError("schedule entry %r: %r is not a number of seconds" % (item, t))
+        if at < 0:
+            raise ValueError("schedule entry %r: the time must be >= 0" % item)
+        out.append((at, LINK_DOWN if rate.strip().lower() == "down" else parse_rate(rate)))
     if [t for t, _ in out] != sorted(t for t, _ in out):
         raise ValueError("schedule times must ascend: %r" % text)
     return out

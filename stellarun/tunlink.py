@@ -61,6 +61,7 @@ class DelayForwarder:
         self.routes = {socket.inet_aton(a): fd for a, fd in routes.items()}
         self.delay_s = float(delay_s)
         self.set_rate(rate_bps)
+        self.down = False     # the link is cut (a schedule's "down"): every packet is dropped
         self.forwarded = 0
         self.dropped = 0
         self._wake_r, self._wake_w = os.pipe()
@@ -113,7 +114,7 @@ class DelayForwarder:
                             sel.unregister(key.fd)
                             break
                         out = self.routes.get(pkt[16:20]) if len(pkt) >= 20 and pkt[0] >> 4 == 4 else None
-                        if out is None:
+                        if out is None or self.down:
                             self.dropped += 1
                             continue
                         tat = max(link_free.get(out, 0.0), due)
@@ -128,6 +129,9 @@ class DelayForwarder:
                 now = time.monotonic()
                 while held and held[0][0] <= now:
                     _, _, out, pkt = heapq.heappop(held)
+                    if self.down:   # in flight when the link was cut
+                        self.dropped += 1
+                        continue
                     try:
                         os.write(out, pkt)
                         self.forwarded += 1

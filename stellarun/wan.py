@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from .shaping import QUEUE_LIMIT_MS, burst_bytes
+from .shaping import LINK_DOWN, QUEUE_LIMIT_MS, burst_bytes
 from .tunlink import TUN_MTU, DelayForwarder, open_tun
 
 def _run(cmd, check=True):
@@ -62,6 +62,7 @@ class WanEmulation:
         self.schedule = schedule or []
         self.delay_s = float(delay_s)
         self.forwarder = None
+        self.down = False   # cut by the schedule ("SECONDS:down")
         self.subnet = 10 + self.pid % 240
         self.namespaces = ["stella%dc%d" % (self.pid, c) for c in range(nclusters)]
         self.bridge = "stbr%d" % self.pid
@@ -178,19 +179,40 @@ class WanEmulation:
             for host_if in self.host_ifs:
                 _run(["tc", "qdisc", verb, "dev", host_if, "root"] + _tbf(bps, None))
 
+    def _cut(self, down):
+        """Cut every cluster's link (``down``) or restore it: the host side of each veth leaves
+        the bridge (what a cluster sends goes nowhere) or, with TUN devices, the forwarder drops
+        every packet. Each namespace's ``wan0`` stays up with its carrier, as a host's interface
+        does when a link further away fails: MPI can still start on it (a cluster alone needs
+        no WAN), connections stay open, and TCP retransmits once the link is back."""
+        if self.forwarder is not None:
+            self.forwarder.down = down
+        else:
+            for host_if in self.host_ifs:
+                _run(["ip", "link", "set", host_if] + (["nomaster"] if down else ["master", self.bridge]))
+        self.down = down
+
     def _follow_schedule(self):
         start = time.monotonic()
         for at, bps in self.schedule:
             if self._stop.wait(max(0.0, at - (time.monotonic() - start))):
                 return
             try:
-                self._shape("change", bps)
-                self.rate_bps = bps
+                if bps == LINK_DOWN:
+                    self._cut(True)
+                    print("stellarun: WAN link down (t=%.0f s, unix time %.3f): cross-cluster packets are dropped "
+                          "until the schedule's next entry" % (at, time.time()), flush=True)
+                else:
+                    was_down = self.down
+                    if was_down:
+                        self._cut(False)
+                    self._shape("change", bps)
+                    self.rate_bps = bps
+                    print("stellarun: WAN rate now %.0f Mbit/s%s (t=%.0f s, unix time %.3f)"
+                          % (bps / 1e6, ", the link is up again" if was_down else "", at, time.time()), flush=True)
                 self.changes.append((time.monotonic() - start, bps))
-                print("stellarun: WAN rate now %.0f Mbit/s (t=%.0f s, unix time %.3f)" % (bps / 1e6, at, time.time()),
-                      flush=True)
             except RuntimeError as e:
-                print("stellarun: could not change the WAN rate: %s" % e, flush=True)
+                print("stellarun: could not change the WAN link: %s" % e, flush=True)
 
     def exec_prefix(self, c):
         """Command prefix that runs a program inside cluster ``c``'s namespace."""

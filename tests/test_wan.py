@@ -307,3 +307,30 @@ def test_no_c10d_hostname_warnings_inside_the_namespaces():
     assert "hostname of the client socket" not in out, out[-3000:]
     assert not [d for d in (os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else [])
                 if d.startswith("stella%dc" % proc.pid)]
+
+
+def _steps(out):
+    """[(step, unix time)] of tests/scripts/elastic_train.py's progress lines."""
+    return [(int(a), float(b)) for a, b in re.findall(r"progress step=(\d+) size=\d+ t=([0-9.]+)", out)]
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", ["0", "5ms"])   # the bridge and the TUN forwarder cut it each their way
+def test_a_link_outage_shorter_than_the_timeout_is_survived(tmp_path, delay):
+    """A 10 s outage (the schedule's "down") under the default-like timeout: training stops for
+    the outage and goes on where it was, with identical parameters on every rank."""
+    from stellarun.wan import leftovers
+    out_json = tmp_path / "result.json"
+    proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--wan-delay", delay, "--wan-schedule",
+                         "5:down,15:100mbit", "--timeout", "60", sys.executable, "tests/scripts/elastic_train.py",
+                         "--steps", "250", "--step-sleep", "0.05", "--out", str(out_json))
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "WAN link down" in out and "the link is up again" in out, out[-3000:]
+    times = [t for _, t in _steps(out)]
+    assert len(times) == 250 and max(b - a for a, b in zip(times, times[1:])) > 8, out[-3000:]   # it did stop
+    import json
+    result = json.loads(out_json.read_text())
+    assert result["steps"] == 250 and result["identical"], result
+    assert leftovers(proc.pid) == []
