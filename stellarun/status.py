@@ -3,7 +3,9 @@
 by its supervisor (:mod:`.rank`), read by stellarun after the job.
 
 A record: ``{"rank", "host", "pid", "time", "cause", "detail"}`` in ``rank<r>.json``, created
-exclusively, so the first cause of a rank wins. Causes, and stellarun's exit code for each when
+exclusively, so the first cause of a rank wins; a deadline's record may add ``"silent"``, the
+ranks that did not answer its diagnosis (``stellarun --elastic`` tells a cluster cut off by its
+link from it). Causes, and stellarun's exit code for each when
 it is the job's first failure:"""
 import json
 import os
@@ -105,7 +107,11 @@ def read_all(directory):
                 rec = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and all(k in rec for k in FIELDS) and rec["cause"] in EXIT_CODES:
+        if isinstance(rec, dict) and all(k in rec for k in FIELDS) and rec["cause"] in EXIT_CODES \
+                and isinstance(rec["rank"], int) and not isinstance(rec["rank"], bool):
+            silent = rec.pop("silent", None)
+            if isinstance(silent, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in silent):
+                rec["silent"] = silent
             out.append(rec)
     return sorted(out, key=lambda r: r["time"])
 

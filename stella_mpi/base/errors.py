@@ -35,7 +35,9 @@ class NonFiniteGradientError(CollectiveRefused, ValueError):
 
 
 class StellaTimeoutError(HorovodInternalError, TimeoutError):
-    """A wait passed its deadline (``STELLA_TIMEOUT``)."""
+    """A wait passed its deadline (``STELLA_TIMEOUT``). ``silent_ranks``: the COMM_WORLD ranks
+    that did not answer the deadline's diagnosis (None when they could not be asked)."""
+    silent_ranks = None
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -50,12 +50,13 @@ def this_rank():
     return launcher_rank_setting()
 
 
-def record_status(cause, detail, rank=None, pid=None):
+def record_status(cause, detail, rank=None, pid=None, silent=None):
     """Write how this rank ended to ``STELLA_STATUS_DIR/rank<r>.json`` for stellarun (a no-op
     without stellarun, in a forked child unless it writes for the rank's ``pid``, or when the
     rank is unknown; the first record of a rank is kept; never raises). The record's format is
-    stellarun's (stellarun/status.py: rank, host, pid, time, cause, detail);
-    tests/unit/test_fail_stop_report.py checks that both writers agree."""
+    stellarun's (stellarun/status.py: rank, host, pid, time, cause, detail, and for a deadline
+    the ranks that did not answer, ``silent``); tests/unit/test_fail_stop_report.py checks that
+    both writers agree."""
     try:
         directory = status_dir_setting()
         rank = this_rank() if rank is None else rank
@@ -63,6 +64,8 @@ def record_status(cause, detail, rank=None, pid=None):
             return
         rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid() if pid is None else pid,
                "time": time.time(), "cause": cause, "detail": str(detail)[:2000]}
+        if silent is not None:
+            rec["silent"] = [int(r) for r in silent]
         fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         with os.fdopen(fd, "w") as f:
             json.dump(rec, f)
@@ -77,7 +80,7 @@ def _write(text):
         pass
 
 
-def end_job(message, cause="collective", exit_code=1):
+def end_job(message, cause="collective", exit_code=1, silent=None):
     """Write ``message`` (with a last line saying the job ends; nothing more when it is empty:
     the caller has written it), record ``cause``, abort the whole job. Never returns. Called
     again while the job is ending: from the same thread (a signal handler running inside the
@@ -98,7 +101,7 @@ def end_job(message, cause="collective", exit_code=1):
         rank = this_rank()
         if message:
             _write(message.rstrip("\n") + "\nstella_mpi: rank %d: ending the job on every rank\n" % rank)
-        record_status(cause, message.strip().splitlines()[0] if message.strip() else cause, rank)
+        record_status(cause, message.strip().splitlines()[0] if message.strip() else cause, rank, silent=silent)
         timeline.flush()   # the events up to the failure are the ones a timeline is read for
         time.sleep(0.5)  # let the launcher forward the message before the job is torn down
         from mpi4py import MPI

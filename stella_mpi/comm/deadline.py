@@ -49,7 +49,10 @@ class Deadline:
         head = "rank %d: %s did not complete within %.0f s (STELLA_TIMEOUT)" % (self.rank, what, self.timeout_s)
         try:
             peers = self.peers if self.peers is not None else range(MPI.COMM_WORLD.Get_size())
-            return StellaTimeoutError(head + "; " + diagnosis.ask(what, peers, self.grace_s))
+            text, silent = diagnosis.ask(what, peers, self.grace_s)
+            error = StellaTimeoutError(head + "; " + text)
+            error.silent_ranks = silent
+            return error
         except Exception as e:  # noqa: BLE001 - the diagnosis must never stand in the way of the error
             return StellaTimeoutError("%s; a peer has stalled, died or is running a different collective (the "
                                       "ranks could not be asked: %s)" % (head, e))
@@ -111,7 +114,7 @@ class Deadline:
             if not done.wait(self.timeout_s):
                 error = self._expired(what)
                 if not done.is_set():
-                    end_job("stella_mpi: %s" % error, cause="deadline")
+                    end_on_timeout(error)
         watcher = threading.Thread(target=watch, name="stella-watchdog", daemon=True)
         watcher.start()
         try:
@@ -127,6 +130,11 @@ class Deadline:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise self._expired(what) from e
             raise
+
+
+def end_on_timeout(error):
+    """End the job for ``error`` (a StellaTimeoutError), recording the ranks that did not answer."""
+    end_job("stella_mpi: %s" % error, cause="deadline", silent=error.silent_ranks)
 
 
 def world_ranks(comm, ranks):

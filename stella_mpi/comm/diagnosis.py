@@ -95,18 +95,23 @@ def serve(where):
 
 
 def ask(where, peers, grace_s):
-    """Tell ``peers`` (COMM_WORLD ranks) where this rank waits and listen ``grace_s`` seconds for
-    theirs. Returns the text of the finding: the silent ranks, then where the others wait."""
+    """Tell every rank where this one waits and listen ``grace_s`` seconds for theirs. Returns
+    (text, silent): the text is the finding about ``peers`` (the COMM_WORLD ranks the wait
+    involved): the silent ones, then where the others wait; ``silent`` lists every rank of
+    COMM_WORLD that did not answer. All are asked, not only the peers, so that a launcher can
+    tell a whole cluster cut off by its link (all its ranks silent) from one stalled rank."""
     world = MPI.COMM_WORLD
     me = world.Get_rank()
+    everyone = [p for p in range(world.Get_size()) if p != me]
     peers = [p for p in peers if p != me and 0 <= p < world.Get_size()]
-    _tell(peers, where)
+    _tell(everyone, where)
     end = time.monotonic() + grace_s
     while True:
         _receive_pending()
-        if all(p in _heard for p in peers) or time.monotonic() >= end:
+        if all(p in _heard for p in everyone) or time.monotonic() >= end:
             break
         time.sleep(0.01)
+    silent_anywhere = [p for p in everyone if p not in _heard]
     silent = [p for p in peers if p not in _heard]
     waiting = {}
     for p in peers:
@@ -120,4 +125,4 @@ def ask(where, peers, grace_s):
         lines.append("every peer answered: they wait elsewhere")
     for place, ranks in waiting.items():
         lines.append("  rank(s) %s wait in %s" % (", ".join(str(r) for r in ranks), place))
-    return "\n".join(lines)
+    return "\n".join(lines), silent_anywhere

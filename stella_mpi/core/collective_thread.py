@@ -452,7 +452,7 @@ class CollectiveThread:
                          ).encode(errors="replace"))
         except Exception:  # noqa: BLE001 - nothing may stop the failure from being final
             pass
-        record_status(self._cause(exc), str(self._failure))
+        record_status(self._cause(exc), str(self._failure), silent=getattr(exc, "silent_ranks", None))
         while True:
             try:
                 queued = self._queue.get_nowait()

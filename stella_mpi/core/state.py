@@ -25,7 +25,7 @@ from ..base.config import Config, start_timeout_setting
 from ..base.errors import NotInitializedError, StellaTimeoutError
 from ..comm import diagnosis
 from ..comm.abort import end_job, is_rank_process, record_status, this_rank
-from ..comm.deadline import Deadline, world_ranks
+from ..comm.deadline import Deadline, end_on_timeout, world_ranks
 from ..comm.messages import allgather_json
 from ..comm.pacing import Pacer
 from ..comm.process_watchdog import guard_exit
@@ -113,7 +113,7 @@ class Runtime:
         try:
             return self._add_process_set(ps)
         except StellaTimeoutError as e:   # a rank never came: the ranks are out of step
-            end_job("stella_mpi: %s" % e, cause="deadline")
+            end_on_timeout(e)
 
     def _add_process_set(self, ps):
         if not isinstance(ps, ProcessSet):
@@ -141,7 +141,7 @@ class Runtime:
         try:
             global_process_set.deadline.wait(self.world.Ibarrier(), "process set change")
         except StellaTimeoutError as e:
-            end_job("stella_mpi: %s" % e, cause="deadline")
+            end_on_timeout(e)
         del self.process_sets[ps.process_set_id]
         ps._free()
         ps.process_set_id = None
@@ -261,7 +261,7 @@ def init(comm=None, process_sets=None):
             _runtime = Runtime(comm, process_sets)
         except StellaTimeoutError as e:
             # a rank never came: the job cannot start, and MPI cannot finalize cleanly either
-            end_job("stella_mpi: %s" % e, cause="deadline")
+            end_on_timeout(e)
         _ever[0] = True
         _install_excepthook()
 
@@ -288,7 +288,7 @@ def _at_exit():
             Deadline(rt.config.timeout_s, rt.rank, peers=world_ranks(rt.world, range(rt.size))).wait(
                 rt.world.Ibarrier(), "the end of the program")
         except StellaTimeoutError as e:
-            end_job("stella_mpi: %s" % e, cause="deadline")
+            end_on_timeout(e)
     shutdown()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         guard_exit(MPI.COMM_WORLD.Get_rank())   # MPI_Finalize comes next: it gets a deadline too

@@ -15,7 +15,7 @@ def test_both_writers_agree_and_the_first_cause_of_a_rank_wins(tmp_path):
     from stellarun import status
     # stella_mpi's writer, in a child process (importing stella_mpi starts MPI)
     code = ("from stella_mpi.comm.abort import record_status\n"
-            "record_status('deadline', 'rank 1 never came', rank=0)\n"
+            "record_status('deadline', 'rank 1 never came', rank=0, silent=[1, 3])\n"
             "record_status('collective', 'a later cause of the same rank', rank=0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, STELLA_STATUS_DIR=str(tmp_path)))
@@ -23,7 +23,8 @@ def test_both_writers_agree_and_the_first_cause_of_a_rank_wins(tmp_path):
     status.record(str(tmp_path), 2, "signal", "killed by signal 9 (SIGKILL)", pid=123)
     records = status.read_all(str(tmp_path))
     assert [r["rank"] for r in records] == [0, 2]
-    assert all(set(r) == set(status.FIELDS) for r in records)
+    assert all(set(r) - {"silent"} == set(status.FIELDS) for r in records)
+    assert records[0]["silent"] == [1, 3] and "silent" not in records[1]   # who did not answer the deadline's
     with open(tmp_path / "rank0.json") as f:
         assert json.load(f)["detail"] == "rank 1 never came"
     line, code = status.report(records)
@@ -36,6 +37,9 @@ def test_malformed_records_are_ignored(tmp_path):
     (tmp_path / "rank5.json").write_text("{not json")
     (tmp_path / "rank6.json").write_text(json.dumps({"rank": 6, "cause": "made up"}))
     assert status.read_all(str(tmp_path)) == [] and status.report([]) == (None, 0)
+    bad = {"rank": 7, "host": "h", "pid": 1, "time": 0.0, "cause": "deadline", "detail": "d", "silent": ["x", 2]}
+    (tmp_path / "rank7.json").write_text(json.dumps(bad))
+    assert [set(r) for r in status.read_all(str(tmp_path))] == [set(bad) - {"silent"}]   # a bad "silent" is dropped
 
 
 def test_the_supervisor_records_a_signal_and_ends_the_same_way(tmp_path):
