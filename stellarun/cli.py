@@ -6,6 +6,7 @@
     stellarun -np 4 --clusters 2 --wan 100mbit python train.py          # emulated WAN, one host
     stellarun -np 4 --clusters 2 --wan 500mbit --wan-schedule "60:100mbit,120:500mbit" python train.py
     stellarun -np 4 --clusters 2 --wan 100mbit --wan-delay 30ms python train.py   # and 30 ms one way
+    stellarun -np 4 --clusters 2 --wan 100mbit --wan-schedule "30:down,40:100mbit" python train.py  # 10 s outage
 
 With --wan, each cluster's ranks run in their own network namespace and cross-cluster
 traffic crosses veth links shaped with tc (root needed). Each cluster is started as its own
@@ -167,24 +168,32 @@ def supervised(command):
     return [sys.executable, "-m", "stellarun.rank", "--"] + list(command)
 
 
-def build_wan_command(args, emu, status_dir):
-    """MPMD mpirun command: cluster c's ranks start inside namespace c."""
-    sizes = cluster_sizes(args.np, args.clusters or 2)
-    cmd = [args.mpirun or find_mpirun()]
-    env = settings_env(args)
-    env["STELLA_WAN_RATE_BPS"] = str(int(args.wan))
-    if status_dir:
-        env["STELLA_STATUS_DIR"] = status_dir
+def wan_env(args, emu, sizes, master):
+    """The environment of every rank of a --wan job: cluster ``master``'s address (rank 0's) in
+    namespace mode; each rank's share of its cluster's link (``sizes``: ranks per cluster) when
+    pacing instead."""
+    env = {"STELLA_WAN_RATE_BPS": str(int(args.wan))}
     if emu is not None:
         env.update(WAN_MPI_ENV)
         env["STELLA_WAN_MODE"] = "namespaces"
-        env["STELLA_WAN_MASTER_ADDR"] = emu.address(0)
+        env["STELLA_WAN_MASTER_ADDR"] = emu.address(master)
     else:
         env["STELLA_WAN_MODE"] = "paced"
         # a cluster's ranks share its link: each paces at its share
         env["STELLA_WAN_PACE_BPS"] = str(int(args.wan / max(sizes)))
         if args.wan_delay:
             env["STELLA_WAN_PACE_DELAY_S"] = repr(args.wan_delay)
+    return env
+
+
+def build_wan_command(args, emu, status_dir):
+    """MPMD mpirun command: cluster c's ranks start inside namespace c."""
+    sizes = cluster_sizes(args.np, args.clusters or 2)
+    cmd = [args.mpirun or find_mpirun()]
+    env = settings_env(args)
+    env.update(wan_env(args, emu, sizes, 0))
+    if status_dir:
+        env["STELLA_STATUS_DIR"] = status_dir
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
     if emu is not None:
@@ -209,6 +218,12 @@ def run_with_wan(args):
         raise UsageError("stellarun: --wan needs 2 or more clusters and at most one per rank")
     if not args.command:
         raise UsageError("stellarun: no command to run")
+    emu, setup, teardown = wan_emulation(args, clusters)
+    return run_job(args, lambda status_dir: build_wan_command(args, emu, status_dir), setup, teardown)
+
+
+def wan_emulation(args, clusters):
+    """(emulation or None when pacing, setup, teardown) of --wan for ``clusters`` clusters."""
     rate, schedule, delay = args.wan, args.wan_schedule or [], args.wan_delay
     ok, why = namespaces_available()
     emu = None
@@ -235,7 +250,7 @@ def run_with_wan(args):
     def teardown():
         if emu is not None:
             emu.close()
-    return run_job(args, lambda status_dir: build_wan_command(args, emu, status_dir), setup, teardown)
+    return emu, setup, teardown
 
 
 def _in_terminal_foreground():
@@ -330,6 +345,10 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
         records = [r for r in records if r["time"] < signalled[0][1]]
     if records_out is not None:
         records_out.extend(records)
+        # a rank found stopped failed, whatever its record (killed by the abort, or none)
+        records_out.extend({"rank": rec["rank"], "host": rec["host"], "pid": rec["pid"], "time": time.time(),
+                            "cause": "signal", "detail": "stopped (SIGSTOP or a debugger) when the job failed"}
+                           for rec in stopped or [])
     line, code = status.report(records)
     if line:
         print("stellarun: " + line, flush=True)
@@ -386,21 +405,30 @@ def build_command(args, status_dir):
     return cmd + supervised(args.command)
 
 
-def build_segments_command(args, segments, status_dir):
+def build_segments_command(args, segments, status_dir, wan=None):
     """stellarun --elastic's mpirun: one MPMD segment per rank [(host, env)], local hosts run
-    here (fork), others by hydra on that host."""
+    here (fork), others by hydra on that host. ``wan``: (emulation or None, the clusters' labels)
+    of --elastic --wan: every host is local and a rank starts in its cluster's namespace; each
+    host is its own hydra host, so that MPICH shares memory inside a host only."""
     cmd = [args.mpirun or find_mpirun()]
     hosts = []
     for host, _ in segments:
         if host not in hosts:
             hosts.append(host)
-    if all(elastic.is_local(h) for h in hosts):
+    host_list = ["-hosts", ",".join("%s:%d" % (h, sum(1 for x, _ in segments if x == h)) for h in hosts)]
+    if wan is not None:
+        cmd += ["-launcher", "fork"] + host_list
+    elif all(elastic.is_local(h) for h in hosts):
         cmd += ["-launcher", "fork"]
     else:
-        cmd += ["-hosts", ",".join("%s:%d" % (h, sum(1 for x, _ in segments if x == h)) for h in hosts)]
+        cmd += host_list
     if args.network_interface:
         cmd += ["-iface", args.network_interface]
     env = settings_env(args)
+    if wan is not None:
+        emu, labels = wan
+        index = [labels.index(e["STELLA_CLUSTER"]) for _, e in segments]
+        env.update(wan_env(args, emu, [index.count(c) for c in set(index)], index[0]))
     if status_dir:
         env["STELLA_STATUS_DIR"] = status_dir
     for k, v in sorted(env.items()):
@@ -412,14 +440,16 @@ def build_segments_command(args, segments, status_dir):
         cmd += ["-n", "1"]
         for k, v in sorted(seg_env.items()):
             cmd += ["-env", k, v]
+        if wan is not None and wan[0] is not None:
+            cmd += ["-env", "STELLA_WAN_ADDR", wan[0].address(index[i])] + wan[0].exec_prefix(index[i])
         cmd += supervised(args.command)
     return cmd
 
 
 def run_elastic(args):
-    if args.wan or args.hostfile or args.clusters:
-        raise UsageError("stellarun: --elastic takes its hosts from --host-discovery-script or -H (not -f, --clusters "
-                         "or --wan)")
+    if args.hostfile or args.clusters:
+        raise UsageError("stellarun: --elastic takes its hosts from --host-discovery-script or -H (not -f or "
+                         "--clusters)")
     if not args.command:
         raise UsageError("stellarun: no command to run (e.g. stellarun --elastic -np 4 ... python train.py)")
     if not args.host_discovery_script and not args.hosts:
@@ -436,9 +466,38 @@ def run_elastic(args):
         lo, hi = args.blacklist_cooldown_range
         if not 0 <= lo <= hi:
             raise UsageError("stellarun: --blacklist-cooldown-range expects MIN MAX seconds with 0 <= MIN <= MAX")
-    return elastic.elastic_main(
-        args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir)),
-        lambda command_for, records: run_job(args, command_for, records_out=records))
+    if not args.wan:
+        return elastic.elastic_main(
+            args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir)),
+            lambda command_for, records: run_job(args, command_for, records_out=records))
+    # --elastic --wan: one namespace per cluster label, for the whole job (hosts come and go)
+    clusters = []
+    for label in labels.values():
+        if label not in clusters:
+            clusters.append(label)
+    if len(clusters) < 2 or args.hosts or args.network_interface:
+        raise UsageError("stellarun: --elastic --wan emulates the link between clusters of this machine: give 2 or more "
+                         "clusters with --cluster-of HOST=LABEL (hosts are names of this machine: localhost, "
+                         "127.0.0.1, ...) and hosts by --host-discovery-script (not -H or --network-interface)")
+    emu, setup, teardown = wan_emulation(args, len(clusters))
+    stop = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN}
+
+    def end(signum, frame):   # between incarnations: remove the emulation on the way out
+        raise SystemExit(128 + signum)
+    try:
+        for s in stop:
+            signal.signal(s, end)
+        setup()
+        return elastic.elastic_main(
+            args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir,
+                                                                                (emu, clusters))),
+            lambda command_for, records: run_job(args, command_for, records_out=records))
+    finally:
+        for s in stop:
+            signal.signal(s, signal.SIG_IGN)   # a second signal must not cut the teardown short
+        teardown()
+        for s, h in stop.items():
+            signal.signal(s, h)
 
 
 def parse_hosts(text):
@@ -479,7 +538,7 @@ def parse(argv):
     p.add_argument("--mpi-args", nargs=argparse.ONE_OR_MORE, help="extra arguments passed to mpirun as they are")
     p.add_argument("--wan", metavar="RATE", type=_parsed_by("parse_rate"),
                    help="emulate a WAN of RATE (e.g. 100mbit) between the clusters")
-    p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds")
+    p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds ('down': cut the link until the next entry)")
     p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
                    help="one-way delay on the emulated WAN (e.g. 30ms)")
     p.add_argument("-H", "--hosts", help="hosts and their slots, host1:4,host2:4 (horovodrun's -H); each host is a "
@@ -548,6 +607,8 @@ def _main(argv):
         return 0
     if args.mpirun:
         check_mpirun(args.mpirun)
+    if (args.wan_schedule or args.wan_delay) and not args.wan:
+        raise UsageError("stellarun: --wan-schedule and --wan-delay need --wan RATE")
     if args.elastic or args.host_discovery_script or args.min_np or args.max_np:
         return run_elastic(args)
     if args.wan:
@@ -555,8 +616,6 @@ def _main(argv):
             raise UsageError("stellarun: --wan emulates clusters on this machine; -H and --network-interface are for "
                              "real hosts")
         return run_with_wan(args)
-    if args.wan_schedule or args.wan_delay:
-        raise UsageError("stellarun: --wan-schedule and --wan-delay need --wan RATE")
     build_command(args, "")   # usage errors before anything starts
     return run_job(args, lambda status_dir: build_command(args, status_dir))
 

@@ -20,7 +20,12 @@ commits the ranks write to node-local files (``hvd.elastic``: stella_mpi/elastic
    script (another incarnation would raise it again); anything else is a reset (at most
    ``--reset-limit``): a host whose rank failed while it was still listed by discovery is
    blacklisted (for a random time within ``--blacklist-cooldown-range``, else for good); a host
-   that had left the discovery output was revoked, not faulty, and may come back; then 1.
+   that had left the discovery output was revoked, not faulty, and may come back; a cluster
+   whose ranks all went silent to another's deadline was cut off by the link and is left out
+   for a while, then tried again (:meth:`ElasticDriver.handle_cuts`); then 1.
+
+With ``--wan`` (stellarun/cli.py) the clusters' namespaces live for the whole job, and a rank
+starts in its cluster's.
 
 On one machine, distinct names of it (``localhost``, ``127.0.0.1``, its hostname, any
 ``127.x.y.z``) are distinct hosts, all launched here without ssh, so a revocation can be
@@ -38,6 +43,8 @@ import time
 
 RESET_EXIT = 75        # a rank leaving for a reset (stella_mpi/elastic/worker.py's EXIT_RESET)
 DISCOVERY_INTERVAL_S = 1.0
+CUT_RETRY_S = 30.0     # a cluster cut off by its link is tried again after this, doubling each time ...
+CUT_RETRY_MAX_S = 600.0   # ... up to this
 
 
 class ElasticError(Exception):
@@ -128,6 +135,8 @@ class ElasticDriver:
         self.epoch = 0
         self.resets = 0
         self.blacklist = {}     # host -> until (monotonic seconds; inf: for good)
+        self.cut_off = {}       # host -> until: its cluster was cut off by the link (not the host's fault)
+        self.cuts = {}          # cluster label -> how many times it was cut off
         self.command_for_segments = command_for_segments
         self.run_job = run_job
         self.labels = dict(args.cluster_labels or {})
@@ -136,7 +145,18 @@ class ElasticDriver:
     # ---- hosts ----
     def usable(self, hosts):
         now = time.monotonic()
-        return [(h, n) for h, n in hosts if self.blacklist.get(h, 0) <= now]
+        return [(h, n) for h, n in hosts if self.blacklist.get(h, 0) <= now and self.cut_off.get(h, 0) <= now]
+
+    def check_wan_hosts(self, hosts):
+        """--wan emulates the links between clusters of this machine: each host must be a name
+        of it, with a --cluster-of label (the namespaces are made for those labels)."""
+        if not getattr(self.args, "wan", None):
+            return
+        for host, _ in hosts:
+            if not is_local(host):
+                raise ElasticError("--wan emulates clusters on this machine, but discovery listed host %s" % host)
+            if host not in self.labels:
+                raise ElasticError("--wan: host %s has no cluster; give it one with --cluster-of %s=LABEL" % (host, host))
 
     def wait_for_hosts(self):
         deadline = time.monotonic() + self.args.elastic_timeout
@@ -188,6 +208,7 @@ class ElasticDriver:
         try:
             while True:
                 hosts = self.wait_for_hosts()
+                self.check_wan_hosts(hosts)
                 ranks = assign(hosts, self.max_np)
                 used = []
                 for h, _, _ in ranks:
@@ -229,12 +250,21 @@ class ElasticDriver:
             shutil.rmtree(self.base, ignore_errors=True)
 
     def handle_failures(self, records, ranks):
-        """Blacklist the hosts whose ranks failed while discovery still listed them."""
+        """Leave out the clusters the link cut off (for a while), and blacklist the hosts whose
+        ranks failed otherwise while discovery still listed them (after a deadline: the hosts of
+        the ranks that did not answer)."""
         listed = {h for h, _ in self.discovery.hosts()}
+        cut = self.handle_cuts(records, ranks, listed)
         failed = set()
         for rec in records:
             r = rec.get("rank", -1)
-            if 0 <= r < len(ranks) and not _is_reset(rec):
+            if not 0 <= r < len(ranks) or _is_reset(rec) or self.cluster_of(ranks, r) in cut:
+                continue   # a rank that left for a reset, or one cut off: not the host's failure
+            silent = [s for s in rec.get("silent") or [] if 0 <= s < len(ranks)] if rec.get("cause") == "deadline" \
+                else []
+            if silent:   # a deadline passed: the hosts of the ranks that did not answer (and were not cut off) failed
+                failed.update(ranks[s][0] for s in silent if self.cluster_of(ranks, s) not in cut)
+            else:
                 failed.add(ranks[r][0])
         for host in sorted(failed):
             if host not in listed:
@@ -245,6 +275,65 @@ class ElasticDriver:
             self.blacklist[host] = until
             print("stellarun elastic: host %s failed; blacklisted %s" % (
                 host, "for good" if until == float("inf") else "for %.0f s" % (until - time.monotonic())), flush=True)
+
+    def cluster_of(self, ranks, r):
+        return self.labels.get(ranks[r][0], ranks[r][0]) if 0 <= r < len(ranks) else None
+
+    def handle_cuts(self, records, ranks, listed):
+        """The clusters a link failure cut off, from the deadlines' records: a rank whose wait
+        passed its deadline names the ranks that did not answer its question (``silent``, every
+        rank of the world asked); a cluster none of whose ranks answered a rank of another
+        cluster is cut off from that one, unless one of its ranks is known to have failed otherwise
+        (stopped, killed: then that rank's host failed). The clusters still joined form groups;
+        the largest (in ranks of hosts discovery still lists, then in ranks; a tie goes to the
+        group of rank 0) goes on, and the hosts of the others are
+        left out for CUT_RETRY_S, doubling per cut of the same cluster up to CUT_RETRY_MAX_S
+        (or a random time within --blacklist-cooldown-range when given): then they rejoin at the
+        survivors' next commit, and if the link is still down the start-up's deadline cuts
+        them off again. One stalled rank in a cluster of several is not a cut (the others
+        answer): its host fails as before. ``listed``: the hosts discovery lists now. Returns the
+        labels of the clusters cut off."""
+        members = {}
+        for r in range(len(ranks)):
+            members.setdefault(self.cluster_of(ranks, r), set()).add(r)
+        if len(members) < 2:
+            return set()
+        # ranks known to have failed otherwise (stopped, killed) are not silent because of a link
+        broken = {rec.get("rank") for rec in records if rec.get("cause") in ("signal", "exit") and not _is_reset(rec)}
+        apart = set()
+        for rec in records:
+            r, silent = rec.get("rank", -1), rec.get("silent")
+            if rec.get("cause") != "deadline" or not silent or not 0 <= r < len(ranks):
+                continue
+            mine = self.cluster_of(ranks, r)
+            for label, ms in members.items():
+                if label != mine and ms <= set(silent) and not ms & broken:
+                    apart.add(frozenset((mine, label)))
+        if not apart:
+            return set()
+        groups = []   # clusters still joined (transitively), in order of their first rank
+        for label in sorted(members, key=lambda c: min(members[c])):
+            joined = [g for g in groups if any(frozenset((label, x)) not in apart for x in g)]
+            merged = {label}.union(*joined) if joined else {label}
+            groups = [g for g in groups if g not in joined] + [merged]
+        groups.sort(key=lambda g: (-sum(1 for c in g for r in members[c] if ranks[r][0] in listed),
+                                   -sum(len(members[c]) for c in g), min(min(members[c]) for c in g)))
+        keep, cut = groups[0], set(members) - groups[0]
+        for label in sorted(cut, key=lambda c: min(members[c])):
+            self.cuts[label] = self.cuts.get(label, 0) + 1
+            lo, hi = self.args.blacklist_cooldown_range or (None, None)
+            wait = random.uniform(lo, hi) if lo is not None else min(CUT_RETRY_MAX_S,
+                                                                      CUT_RETRY_S * 2 ** (self.cuts[label] - 1))
+            hosts = sorted({ranks[r][0] for r in members[label]})
+            for host in hosts:
+                self.cut_off[host] = time.monotonic() + wait
+            print("stellarun elastic: cluster %s (host%s %s) was cut off: none of its %d rank(s) answered cluster %s "
+                  "at the deadline (the link between them is down?); the job goes on with cluster%s %s; cluster %s is "
+                  "tried again in %.0f s" % (label, "s" if len(hosts) > 1 else "", ", ".join(hosts), len(members[label]),
+                                             ", ".join(sorted(c for c in members if frozenset((c, label)) in apart)),
+                                             "s" if len(keep) > 1 else "", ", ".join(sorted(keep)), label, wait),
+                  flush=True)
+        return cut
 
 
 def _is_reset(rec):

@@ -14,14 +14,15 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "elastic_train.py")
 STELLARUN = [sys.executable, "-m", "stellarun"]
 
 
-def workers(host=None):
-    """Pids of the training processes (not their supervisors), of ``host`` or of every host."""
+def workers(host=None, script="elastic_train.py"):
+    """Pids of the training processes (``python .../script``; not their supervisors), of
+    ``host`` or of every host."""
     pids = []
     for proc in glob.glob("/proc/[0-9]*"):
         try:
             with open(proc + "/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
-            if len(cmd) < 2 or not cmd[1].endswith(b"elastic_train.py"):   # python SCRIPT: not mpirun,
+            if len(cmd) < 2 or not cmd[1].endswith(script.encode()):   # python SCRIPT: not mpirun,
                 continue                                                       # stellarun or a supervisor
             with open(proc + "/environ", "rb") as f:
                 env = f.read().split(b"\0")

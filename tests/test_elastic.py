@@ -115,6 +115,44 @@ def test_a_script_error_ends_the_elastic_job(tmp_path, hosts):
     assert "reset 1" not in text
 
 
+@pytest.mark.slow
+def test_a_link_outage_longer_than_the_timeout_cuts_a_cluster_off_and_it_rejoins(tmp_path, hosts):
+    """--elastic --wan: the link goes down for longer than STELLA_TIMEOUT. The cluster on the far
+    side of rank 0 is cut off and the other goes on from the last commit; once the link is back
+    and the retry time has passed, the cut-off cluster rejoins; the job ends with identical
+    parameters on 4 ranks and its namespaces removed."""
+    from stellarun import wan
+    ok, why = wan.namespaces_available()
+    if not ok:
+        pytest.skip("network namespaces unavailable here: %s" % why)
+    listing, script = hosts
+    proc, log, out, f = eh.launch(tmp_path, script, 4, 600, extra=["--wan", "100mbit", "--wan-schedule",
+                                                                     "12:down,40:100mbit", "--timeout", "8"],
+                                  train_args=["--commit-every", str(COMMIT_EVERY), "--step-sleep", "0.1"])
+    try:
+        rc = eh.finish(proc, f, timeout=300)
+    finally:
+        if not f.closed:
+            f.close()
+    text = eh.read(log)
+    assert rc == 0, text[-4000:]
+    down = float(re.search(r"WAN link down \(t=12 s, unix time ([0-9.]+)\)", text).group(1))
+    up = float(re.search(r"the link is up again \(t=40 s, unix time ([0-9.]+)\)", text).group(1))
+    assert "cluster b (host 127.0.0.1) was cut off" in text and "blacklisted" not in text, text[-4000:]
+    steps = eh.progress(log)
+    before = max(s for s, n, t in steps if n == 4 and t < down)
+    alone = [(s, t) for s, n, t in steps if n == 2]
+    assert alone and alone[0][1] - down < 8 + 30, text[-4000:]   # the timeout, then going on within 30 s
+    resumed_from = alone[0][0] - 1
+    assert resumed_from % COMMIT_EVERY == 0 and before - COMMIT_EVERY <= resumed_from <= before, (alone[0], before)
+    rejoined = [t for s, n, t in steps if n == 4 and t > up]
+    assert rejoined and rejoined[0] - up < 90, text[-4000:]
+    with open(out) as fh:
+        result = json.load(fh)
+    assert result == {**result, "steps": 600, "size": 4, "identical": True}, result
+    assert wan.leftovers(proc.pid) == [] and not eh.workers()
+
+
 def test_without_elastic_a_killed_rank_ends_the_job_naming_it(tmp_path):
     """Not elastic: as before, the job ends and says which rank."""
     if mpirun_path() is None:

@@ -1,0 +1,142 @@
+"""stellarun --elastic's driver without running a job: how it reads what the ranks recorded.
+A link outage longer than the timeout cuts a cluster off (its hosts are left out for a while,
+then tried again); one stalled rank is its host's failure; --elastic --wan's command starts each
+rank in its cluster's namespace."""
+import argparse
+
+import pytest
+
+from stellarun import cli, elastic
+from stellarun.wan import WanEmulation
+
+
+def _driver(labels, cooldown=None):
+    args = argparse.Namespace(host_discovery_script=None, static_hosts=[("localhost", 2), ("127.0.0.1", 2)],
+                              min_np=2, max_np=4, np=4, cluster_labels=labels, blacklist_cooldown_range=cooldown,
+                              wan=100e6)
+    driver = elastic.ElasticDriver(args, None, None)
+    return driver
+
+
+def _listed(driver):
+    return {h for h, _ in driver.discovery.hosts()}
+
+
+def _deadline(rank, silent):
+    return {"rank": rank, "host": "vm", "pid": 1, "time": 0.0, "cause": "deadline", "detail": "d", "silent": silent}
+
+
+@pytest.fixture
+def two():
+    driver = _driver({"localhost": "a", "127.0.0.1": "b"})
+    ranks = elastic.assign([("localhost", 2), ("127.0.0.1", 2)], 4)
+    yield driver, ranks
+    elastic.shutil.rmtree(driver.base, ignore_errors=True)
+
+
+def test_a_cluster_silent_to_the_other_is_cut_off_and_the_tie_goes_to_rank_0(two):
+    driver, ranks = two
+    # rank 3 (cluster b) timed out first and names a's ranks: still a is kept (rank 0's side of a tie)
+    driver.handle_failures([_deadline(3, [0, 1])], ranks)
+    assert set(driver.cut_off) == {"127.0.0.1"} and not driver.blacklist
+    assert [h for h, _ in driver.usable(driver.discovery.hosts())] == ["localhost"]
+    left = driver.cut_off["127.0.0.1"] - elastic.time.monotonic()
+    assert elastic.CUT_RETRY_S - 1 < left <= elastic.CUT_RETRY_S
+    # cut again: twice as long
+    driver.handle_failures([_deadline(0, [2, 3]), _deadline(2, [0, 1])], ranks)
+    left = driver.cut_off["127.0.0.1"] - elastic.time.monotonic()
+    assert 2 * elastic.CUT_RETRY_S - 1 < left <= 2 * elastic.CUT_RETRY_S and not driver.blacklist
+
+
+def test_the_larger_side_goes_on(tmp_path):
+    driver = _driver({"localhost": "a", "127.0.0.1": "b", "127.0.0.2": "b"}, cooldown=(5, 5))
+    try:
+        ranks = elastic.assign([("localhost", 1), ("127.0.0.1", 1), ("127.0.0.2", 1)], 3)
+        assert driver.handle_cuts([_deadline(1, [0])], ranks, _listed(driver)) == {"a"}
+        assert set(driver.cut_off) == {"localhost"}
+        assert 4 < driver.cut_off["localhost"] - elastic.time.monotonic() <= 5   # --blacklist-cooldown-range
+    finally:
+        elastic.shutil.rmtree(driver.base, ignore_errors=True)
+
+
+def test_three_clusters_one_cut_off_from_both_others(tmp_path):
+    driver = _driver({"localhost": "a", "127.0.0.1": "b", "127.0.0.2": "c"})
+    try:
+        ranks = elastic.assign([("localhost", 1), ("127.0.0.1", 1), ("127.0.0.2", 1)], 3)
+        # a names c silent, c names a and b silent; nobody says a and b are apart
+        assert driver.handle_cuts([_deadline(0, [2]), _deadline(2, [0, 1])], ranks, _listed(driver)) == {"c"}
+    finally:
+        elastic.shutil.rmtree(driver.base, ignore_errors=True)
+
+
+def test_one_stalled_rank_is_its_hosts_failure_not_a_cut(two):
+    driver, ranks = two
+    # rank 0 waited for rank 3 only; rank 2 (the same cluster) answered: host 127.0.0.1 failed
+    driver.handle_failures([_deadline(0, [3])], ranks)
+    assert not driver.cut_off and driver.blacklist["127.0.0.1"] == float("inf")
+
+
+def test_records_without_silent_ranks_are_handled_as_before(two):
+    driver, ranks = two
+    driver.handle_failures([{**_deadline(2, None), "cause": "collective"}], ranks)
+    assert not driver.cut_off and set(driver.blacklist) == {"127.0.0.1"}
+
+
+def test_wan_hosts_must_be_local_and_labelled(two):
+    driver, _ = two
+    driver.check_wan_hosts([("localhost", 2), ("127.0.0.1", 2)])
+    with pytest.raises(elastic.ElasticError, match="no cluster; give it one with --cluster-of 127.0.0.5=LABEL"):
+        driver.check_wan_hosts([("127.0.0.5", 1)])
+    with pytest.raises(elastic.ElasticError, match="discovery listed host node7"):
+        driver.check_wan_hosts([("node7", 1)])
+
+
+def test_elastic_wan_command_starts_each_rank_in_its_clusters_namespace():
+    args = cli.parse(["--elastic", "-np", "3", "--wan", "100mbit", "--cluster-of", "localhost=a", "--cluster-of",
+                      "127.0.0.1=b", "--mpirun", "mpirun", "python", "train.py"])
+    emu = WanEmulation(2, 100e6)   # not set up: only its names and addresses are used
+    segments = [("localhost", {"STELLA_CLUSTER": "a"}), ("127.0.0.1", {"STELLA_CLUSTER": "b"}),
+                ("127.0.0.1", {"STELLA_CLUSTER": "b"})]
+    cmd = cli.build_segments_command(args, segments, "/tmp/s", wan=(emu, ["a", "b"]))
+    text = " ".join(cmd)
+    assert "-launcher fork -hosts localhost:1,127.0.0.1:2" in text   # a hydra host each: no shared memory across
+    assert "-genv STELLA_WAN_MASTER_ADDR %s" % emu.address(0) in text and "-genv FI_TCP_IFACE wan0" in text
+    parts = text.split(" : ")
+    assert len(parts) == 3
+    assert "ip netns exec %s" % emu.namespaces[0] in parts[0] and "STELLA_WAN_ADDR %s" % emu.address(0) in parts[0]
+    assert all("ip netns exec %s" % emu.namespaces[1] in p for p in parts[1:])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--elastic", "-np", "2", "--wan", "100mbit", "-H", "localhost:2"], "give 2 or more clusters"),
+    (["--elastic", "-np", "2", "--wan", "100mbit", "-H", "localhost:1,127.0.0.1:1", "--cluster-of", "localhost=a",
+      "--cluster-of", "127.0.0.1=b"], "not -H"),
+    (["--elastic", "-np", "2", "-H", "localhost:2", "--wan-schedule", "5:down"], "need --wan RATE"),
+])
+def test_elastic_wan_usage_errors(argv, says, capsys):
+    assert cli.main(argv + ["python", "train.py"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_schedule_can_cut_the_link():
+    from stellarun.shaping import LINK_DOWN, parse_schedule
+    assert parse_schedule("5:down,15:100mbit") == [(5.0, LINK_DOWN), (15.0, 100e6)]
+    for bad in ("x:down", "-1:down", "5:up"):
+        with pytest.raises(ValueError):
+            parse_schedule(bad)
+
+
+def test_a_stopped_rank_alone_in_its_cluster_is_a_failure_not_a_cut(two):
+    driver, _ = two
+    ranks = elastic.assign([("localhost", 1), ("127.0.0.1", 1)], 2)
+    stopped = {"rank": 0, "host": "vm", "pid": 2, "time": 0.0, "cause": "signal", "detail": "stopped"}
+    driver.handle_failures([_deadline(1, [0]), stopped], ranks)
+    assert not driver.cut_off and set(driver.blacklist) == {"localhost"}
+
+
+def test_a_group_whose_hosts_left_discovery_does_not_go_on(two):
+    driver, _ = two
+    ranks = elastic.assign([("localhost", 1), ("127.0.0.1", 1)], 2)
+    driver.discovery.static = [("127.0.0.1", 1)]   # localhost was revoked: rank 0's side of the tie is gone
+    assert driver.handle_cuts([_deadline(1, [0])], ranks, _listed(driver)) == {"a"}
+    assert set(driver.cut_off) == {"localhost"}
