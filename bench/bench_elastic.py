@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_elastic.py                      # 2 and 4 ranks, 2 clusters, 3 trials each
     .venv/bin/python bench/bench_elastic.py --np 4 --trials 5 --width 4096
+    .venv/bin/python bench/bench_elastic.py --outage --timeout 10    # a link cut instead of a kill
 
 Each trial starts ``stellarun --elastic`` on two pretend hosts of this machine (``localhost`` and
 ``127.0.0.1``, one cluster each) running tests/scripts/elastic_train.py (sparse exchange, a commit
@@ -17,7 +18,10 @@ downtime (the kill to the first completed step after recovery) into
     first step   the first training step after that
 
 and reports the median of commit() (state_dict copies, the node-local file, the host check).
-Writes bench/results/elastic.json.
+With ``--outage`` the job runs under ``--wan 100mbit`` and, instead of a kill, the emulated link
+goes down 12 s after the start for longer than the timeout: the downtime then counts from the
+cut, detection includes the timeout (``--timeout``) and the deadline's diagnosis, and cluster
+``b`` is the one cut off. Writes bench/results/elastic.json (elastic_outage.json).
 """
 import argparse
 import json
@@ -34,6 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import elastic_harness as eh  # noqa: E402
 
 
+OUTAGE_AT_S = 12   # --outage: the link goes down this long after the emulation starts
+
+
 def after(pattern, text, t_min):
     """The first (float groups) of ``pattern`` whose last group (a unix time) is >= t_min."""
     for m in re.finditer(pattern, text):
@@ -47,16 +54,24 @@ def trial(np_, args):
     half = np_ // 2
     with tempfile.TemporaryDirectory() as tmp:
         listing, script = eh.discovery(tmp, [("localhost", half), ("127.0.0.1", half)])
-        proc, log, _, f = eh.launch(tmp, script, np_, 100000, train_args=[
+        link = ["--wan", "100mbit", "--wan-schedule", "%d:down,%d:100mbit" % (OUTAGE_AT_S, OUTAGE_AT_S + 4 * args.timeout),
+                "--timeout", str(args.timeout)] if args.outage else []
+        proc, log, _, f = eh.launch(tmp, script, np_, 100000, extra=link, train_args=[
             "--commit-every", "5", "--step-sleep", str(args.step_sleep), "--width", str(args.width)])
         try:
-            if not eh.wait(lambda: any(s >= 15 for s, _, _ in eh.progress(log)), 120):
-                return {"error": eh.read(log)[-3000:]}
-            eh.write_hosts(listing, [("localhost", half)])
-            victims = eh.workers("127.0.0.1")
-            t_kill = time.time()
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
+            if args.outage:
+                cut = eh.wait(lambda: re.search(r"WAN link down \(t=\d+ s, unix time ([0-9.]+)\)", eh.read(log)), 120)
+                if not cut or not any(n == np_ for _, n, _ in eh.progress(log)):
+                    return {"error": eh.read(log)[-3000:]}
+                t_kill = float(cut.group(1))
+            else:
+                if not eh.wait(lambda: any(s >= 15 for s, _, _ in eh.progress(log)), 120):
+                    return {"error": eh.read(log)[-3000:]}
+                eh.write_hosts(listing, [("localhost", half)])
+                victims = eh.workers("127.0.0.1")
+                t_kill = time.time()
+                for pid in victims:
+                    os.kill(pid, signal.SIGKILL)
             first = eh.wait(lambda: [t for s, n, t in eh.progress(log) if n == half and t > t_kill], 120)
             if not first:
                 return {"error": eh.read(log)[-3000:]}
@@ -81,15 +96,20 @@ def main():
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--width", type=int, default=2048, help="hidden width of the script's model")
     p.add_argument("--step-sleep", type=float, default=0.02)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "elastic.json"))
+    p.add_argument("--outage", action="store_true", help="cut the emulated link instead of killing a host's ranks")
+    p.add_argument("--timeout", type=float, default=10.0, help="--outage: STELLA_TIMEOUT of the job (s)")
+    p.add_argument("--out")
     args = p.parse_args()
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "elastic_outage.json" if args.outage else "elastic.json")
     rows = {}
     keys = ("downtime_s", "detection_s", "relaunch_s", "startup_s", "transfer_s", "first_step_s", "commit_s")
     for np_ in args.np:
         runs = [trial(np_, args) for _ in range(args.trials)]
         good = [r for r in runs if "error" not in r]
         rows[np_] = {"trials": runs, "median": {k: statistics.median(r[k] for r in good) for k in keys} if good else None}
-        print("np %d (2 clusters): %d/%d trials recovered" % (np_, len(good), len(runs)))
+        print("np %d (2 clusters, %s): %d/%d trials recovered" % (
+            np_, "link cut for %.0f s" % (4 * args.timeout) if args.outage else "a host revoked", len(good), len(runs)))
         if good:
             print("  " + "  ".join("%s %.3f" % (k[:-2], rows[np_]["median"][k]) for k in keys))
         for r in runs:
