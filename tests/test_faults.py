@@ -56,7 +56,11 @@ def test_stalled_rank_hits_the_deadline():
 
 @pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 8 s"),
                                        ("late_init", "rank 1 never came"),
-                                       ("stop_at_exit", "the end of the program did not complete within 8 s")])
+                                       # the others wait for rank 1 at their end, and their collective
+                                       # thread's idle round may have been waiting for it already (it
+                                       # started first, so its deadline passes first): both say so
+                                       ("stop_at_exit", "(the end of the program|negotiation round) did not "
+                                                        "complete within 8 s")])
 def test_start_and_end_have_deadlines(mode, what):
     """A rank frozen before MPI_Init, before hvd.init() or at the end of the program: the others
     end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""
@@ -64,7 +68,7 @@ def test_start_and_end_have_deadlines(mode, what):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, (elapsed, out[-3000:])
-    assert what in out, out[-3000:]
+    assert re.search(what, out), out[-3000:]
     if mode != "late_import":   # before MPI_Init nobody can be asked: stellarun names that rank
         assert re.search(r"rank 1 (\(host [^,]+, pid \d+\) )?never came", out), out[-3000:]
 

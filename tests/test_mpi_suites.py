@@ -15,16 +15,18 @@ DENSE = PYTEST[:7] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer
 SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py"]
 
 # (name, ranks, environment, suites): the dense suites run on every layout, the sparse
-# route on the layouts where it differs (two clusters, uneven, three clusters)
+# route on the layouts where it differs (two clusters, uneven, three clusters); the layouts marked
+# slow repeat what another layout of the default run covers (they run with -m "")
 LAYOUTS = [
     ("np2-one-cluster", 2, {}, PYTEST),
     ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL),
-    ("np3-one-cluster", 3, {}, DENSE),
+    pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
     ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
     ("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
     ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
     ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
-    ("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST),
+    pytest.param("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST,
+                 marks=pytest.mark.slow),   # every suite with the mpi backend runs in np3-uneven-2+1
     ("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
     # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
     # and CPU-engine check of the host route must hold on it too
@@ -39,7 +41,8 @@ def _check(proc, what):
     assert " passed" in proc.stdout, tail
 
 
-@pytest.mark.parametrize("name,np_,env,suites", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+@pytest.mark.parametrize("name,np_,env,suites", LAYOUTS, ids=[x.values[0] if hasattr(x, "values") else x[0]
+                                                               for x in LAYOUTS])
 def test_suites_on_layout(name, np_, env, suites):
     _check(run_mpi(np_, suites, env=env, timeout=400), name)
 
@@ -50,6 +53,7 @@ def test_suites_with_interleaved_cluster_labels():
     _check(run_mpmd(parts, timeout=400), "labels a,b,a,b")
 
 
+@pytest.mark.slow   # uneven clusters are in the default run as np3-uneven-2+1
 def test_suites_with_uneven_labels():
     parts = [(3, {"STELLA_CLUSTER": "site-a"}, DENSE), (1, {"STELLA_CLUSTER": "site-b"}, DENSE)]
     _check(run_mpmd(parts, timeout=400), "labels 3+1")
