@@ -61,7 +61,9 @@ THC rungs sit between the last density below 1 and dense: ``... (1, 10 %) (1, th
 (1, thc 8) (1, dense)``. A THC rung sends every entry: its payload is the entries exchanged per
 step on the bottleneck channel (counted) times its wire cost per entry (the lane width for the
 number of clusters and the allreduce's volume, given by the session), its fixed cost is the one
-measured on THC rungs (before any: the sparse route's, so the rung is tried and measured), and
+measured on THC rungs (before any: the sparse route's, so the rung is tried and measured; a
+measurement is forgotten after ``THC_RETRY_WINDOWS`` windows off THC rungs, doubling each time,
+so one slow window on a noisy machine does not shut THC out for good), and
 its backlog is ``kappa_thc / L`` (``thc_backlog_shape``), kappa_thc measured on THC rungs (1
 before any). The sparse payload per unit density is taken from sparse rungs below density 1
 only (a dense or THC step sends no indices). Under ``"step_time"``: the payload's share of the step over what the
@@ -83,6 +85,7 @@ ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", 
               "residual_sq", "grad_sq", "bits", "elements")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
 HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
+THC_RETRY_WINDOWS = 60   # windows off THC rungs after which their measured fixed cost is forgotten (then 2x, 4x, ...)
 
 
 def _get(row, name, default=0.0):
@@ -238,6 +241,8 @@ class Controller:
     kappa_thc: float = 1.0   # THC's backlog over thc_backlog_shape: the last one measured (1 before any)
     _known: dict = field(default_factory=dict)   # last estimates of what only some rungs measure
     _up_candidates: list = field(default_factory=list)
+    _thc_age: int = 0        # windows since a THC rung last measured its fixed cost
+    _thc_retries: int = 0    # times that measurement was forgotten (the next wait doubles)
 
     def __post_init__(self):
         s = self.settings
@@ -293,6 +298,10 @@ class Controller:
         for key, xs in kinds.items():
             if xs:
                 self._known[key] = _median(xs)
+        self._thc_age = 0 if kinds["fixed_thc"] else self._thc_age + 1
+        if "fixed_thc" in self._known and self._thc_age >= THC_RETRY_WINDOWS << self._thc_retries:
+            del self._known["fixed_thc"]   # try THC again with the sparse route's cost: it may have been noise
+            self._thc_retries += 1
         bpd = self._known.get("bytes_per_density")
         if bpd is None:   # only dense samples so far
             bpd = _median([h["bytes_per_density"] for h in recent if h["bytes_per_density"] is not None] or [0.0])

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from stella_mpi.adjust import controller
 from stella_mpi.adjust.controller import ROW_FIELDS, Controller, split_batch
 from stella_mpi.adjust.settings import Adjuster
 
@@ -338,9 +339,25 @@ def test_thc_rung_left_when_its_measured_cost_is_high():
     ds = run(ctrl, [1e9] * 40, compute=1.0, fixed_thc=1.0, kappa_thc=2.0)
     bits = [d.bits for d in ds]
     assert any(bits), bits                                    # tried ...
-    assert ds[-1].bits == 0 and not any(bits[-10:]), bits     # ... and left for good
+    assert ds[-1].bits == 0 and not any(bits[-10:]), bits     # ... and left
     assert ctrl.kappa_thc == pytest.approx(2.0)
     assert ds[-1].estimate.fixed_thc_s == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_thc_rung_measured_slow_is_tried_again_after_a_doubling_wait():
+    """THC_RETRY_WINDOWS windows off THC rungs, their measured fixed cost is forgotten (it may
+    have been one noisy window): where THC would then win by more than the dead band it is tried
+    once more, then after twice as long; each try costs a window or two."""
+    ctrl = thc_ladder(backlog_cost=0.1)   # sparse's backlog weighs more: THC beats it at a sparse-like cost
+    retry = controller.THC_RETRY_WINDOWS
+    ds = run(ctrl, [1e9] * (5 * retry), compute=1.0, fixed_thc=1.0, kappa_thc=2.0)
+    bits = [d.bits for d in ds]
+    tried = [i for i in range(len(ds)) if bits[i] and (i == 0 or not bits[i - 1])]
+    assert len(tried) == 3, bits                              # the first try, then two retries
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    assert retry <= gaps[0] < retry + 10 and 2 * retry <= gaps[1] < 2 * retry + 10, gaps
+    assert sum(1 for b in bits if b) <= 3 * 2, bits           # each try: left within two windows
+    assert ds[-1].bits == 0 and ds[-1].estimate.fixed_thc_s == pytest.approx(1.0, rel=0.05)
 
 
 def test_without_error_feedback_nothing_is_measured():
