@@ -480,6 +480,8 @@ def run_elastic(args):
                          "clusters with --cluster-of HOST=LABEL (hosts are names of this machine: localhost, "
                          "127.0.0.1, ...) and hosts by --host-discovery-script (not -H or --network-interface)")
     emu, setup, teardown = wan_emulation(args, len(clusters))
+    if args.dry_run:   # print the first incarnation's command: nothing to build
+        setup = teardown = (lambda: None)
     stop = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN}
 
     def end(signum, frame):   # between incarnations: remove the emulation on the way out

@@ -31,6 +31,7 @@ On one machine, distinct names of it (``localhost``, ``127.0.0.1``, its hostname
 ``127.x.y.z``) are distinct hosts, all launched here without ssh, so a revocation can be
 rehearsed on a laptop. Other names are launched by hydra on those hosts (``-hosts``).
 """
+import itertools
 import os
 import random
 import shutil
@@ -44,7 +45,7 @@ import time
 RESET_EXIT = 75        # a rank leaving for a reset (stella_mpi/elastic/worker.py's EXIT_RESET)
 DISCOVERY_INTERVAL_S = 1.0
 CUT_RETRY_S = 30.0     # a cluster cut off by its link is tried again after this, doubling each time ...
-CUT_RETRY_MAX_S = 600.0   # ... up to this
+CUT_RETRY_MAX_S = 600.0   # ... up to this (and after an incarnation this long, from CUT_RETRY_S again)
 
 
 class ElasticError(Exception):
@@ -136,7 +137,8 @@ class ElasticDriver:
         self.resets = 0
         self.blacklist = {}     # host -> until (monotonic seconds; inf: for good)
         self.cut_off = {}       # host -> until: its cluster was cut off by the link (not the host's fault)
-        self.cuts = {}          # cluster label -> how many times it was cut off
+        self.cuts = {}          # cluster label -> how many times it was cut off (since the last long incarnation)
+        self.unplaceable = set()   # hosts --wan cannot place (warned about once)
         self.command_for_segments = command_for_segments
         self.run_job = run_job
         self.labels = dict(args.cluster_labels or {})
@@ -145,18 +147,24 @@ class ElasticDriver:
     # ---- hosts ----
     def usable(self, hosts):
         now = time.monotonic()
-        return [(h, n) for h, n in hosts if self.blacklist.get(h, 0) <= now and self.cut_off.get(h, 0) <= now]
+        return [(h, n) for h, n in hosts if self.blacklist.get(h, 0) <= now and self.cut_off.get(h, 0) <= now
+                and self.wan_placeable(h)]
 
-    def check_wan_hosts(self, hosts):
-        """--wan emulates the links between clusters of this machine: each host must be a name
-        of it, with a --cluster-of label (the namespaces are made for those labels)."""
+    def wan_placeable(self, host):
+        """--wan emulates the links between clusters of this machine: a host that is not a name of
+        it, or has no --cluster-of label (the namespaces are made for the labels), cannot be
+        placed; it is left out, with a warning the first time (discovery may list it mid-job)."""
         if not getattr(self.args, "wan", None):
-            return
-        for host, _ in hosts:
-            if not is_local(host):
-                raise ElasticError("--wan emulates clusters on this machine, but discovery listed host %s" % host)
-            if host not in self.labels:
-                raise ElasticError("--wan: host %s has no cluster; give it one with --cluster-of %s=LABEL" % (host, host))
+            return True
+        why = None
+        if not is_local(host):
+            why = "--wan emulates clusters on this machine, but discovery listed host %s" % host
+        elif host not in self.labels:
+            why = "--wan: host %s has no cluster; give it one with --cluster-of %s=LABEL" % (host, host)
+        if why is not None and host not in self.unplaceable:
+            self.unplaceable.add(host)
+            print("stellarun elastic: %s; it is left out" % why, flush=True)
+        return why is None
 
     def wait_for_hosts(self):
         deadline = time.monotonic() + self.args.elastic_timeout
@@ -165,8 +173,9 @@ class ElasticDriver:
             if sum(n for _, n in hosts) >= self.min_np:
                 return hosts
             if time.monotonic() > deadline:
-                raise ElasticError("fewer than --min-np %d slots for %.0f s (hosts: %s)" % (
-                    self.min_np, self.args.elastic_timeout, ", ".join("%s:%d" % h for h in hosts) or "none"))
+                raise ElasticError("fewer than --min-np %d slots for %.0f s (hosts: %s%s)" % (
+                    self.min_np, self.args.elastic_timeout, ", ".join("%s:%d" % h for h in hosts) or "none",
+                    "; left out: " + ", ".join(sorted(self.unplaceable)) if self.unplaceable else ""))
             time.sleep(DISCOVERY_INTERVAL_S)
 
     def announce(self, kind):
@@ -208,7 +217,6 @@ class ElasticDriver:
         try:
             while True:
                 hosts = self.wait_for_hosts()
-                self.check_wan_hosts(hosts)
                 ranks = assign(hosts, self.max_np)
                 used = []
                 for h, _, _ in ranks:
@@ -240,6 +248,8 @@ class ElasticDriver:
                           raised[0].get("rank", -1), flush=True)
                     return rc
                 self.resets += 1
+                if self.history[-1][3] >= CUT_RETRY_MAX_S:
+                    self.cuts = {}   # the links held for a long incarnation: a new cut starts the back-off over
                 self.handle_failures(records, ranks)
                 if self.resets > self.args.reset_limit:
                     print("stellarun elastic: %d resets, more than --reset-limit %d; giving up" % (
@@ -284,10 +294,10 @@ class ElasticDriver:
         passed its deadline names the ranks that did not answer its question (``silent``, every
         rank of the world asked); a cluster none of whose ranks answered a rank of another
         cluster is cut off from that one, unless one of its ranks is known to have failed otherwise
-        (stopped, killed: then that rank's host failed). The clusters still joined form groups;
-        the largest (in ranks of hosts discovery still lists, then in ranks; a tie goes to the
-        group of rank 0) goes on, and the hosts of the others are
-        left out for CUT_RETRY_S, doubling per cut of the same cluster up to CUT_RETRY_MAX_S
+        (stopped, killed: then that rank's host failed). The clusters that go on are joined to
+        each other (no pair of them cut apart): of those sets, the largest (in ranks of hosts
+        discovery still lists, then in ranks; a tie goes to the set with rank 0), and the hosts
+        of the others (those discovery still lists) are left out for CUT_RETRY_S, doubling per cut of the same cluster up to CUT_RETRY_MAX_S
         (or a random time within --blacklist-cooldown-range when given): then they rejoin at the
         survivors' next commit, and if the link is still down the start-up's deadline cuts
         them off again. One stalled rank in a cluster of several is not a cut (the others
@@ -311,14 +321,8 @@ class ElasticDriver:
                     apart.add(frozenset((mine, label)))
         if not apart:
             return set()
-        groups = []   # clusters still joined (transitively), in order of their first rank
-        for label in sorted(members, key=lambda c: min(members[c])):
-            joined = [g for g in groups if any(frozenset((label, x)) not in apart for x in g)]
-            merged = {label}.union(*joined) if joined else {label}
-            groups = [g for g in groups if g not in joined] + [merged]
-        groups.sort(key=lambda g: (-sum(1 for c in g for r in members[c] if ranks[r][0] in listed),
-                                   -sum(len(members[c]) for c in g), min(min(members[c]) for c in g)))
-        keep, cut = groups[0], set(members) - groups[0]
+        keep = _joined_clusters(members, apart, lambda r: ranks[r][0] in listed)
+        cut = set(members) - keep
         for label in sorted(cut, key=lambda c: min(members[c])):
             self.cuts[label] = self.cuts.get(label, 0) + 1
             lo, hi = self.args.blacklist_cooldown_range or (None, None)
@@ -326,7 +330,8 @@ class ElasticDriver:
                                                                       CUT_RETRY_S * 2 ** (self.cuts[label] - 1))
             hosts = sorted({ranks[r][0] for r in members[label]})
             for host in hosts:
-                self.cut_off[host] = time.monotonic() + wait
+                if host in listed:   # one that left discovery was revoked: it may come back at once
+                    self.cut_off[host] = time.monotonic() + wait
             print("stellarun elastic: cluster %s (host%s %s) was cut off: none of its %d rank(s) answered cluster %s "
                   "at the deadline (the link between them is down?); the job goes on with cluster%s %s; cluster %s is "
                   "tried again in %.0f s" % (label, "s" if len(hosts) > 1 else "", ", ".join(hosts), len(members[label]),
@@ -334,6 +339,27 @@ class ElasticDriver:
                                              "s" if len(keep) > 1 else "", ", ".join(sorted(keep)), label, wait),
                   flush=True)
         return cut
+
+
+def _joined_clusters(members, apart, listed_rank):
+    """The clusters that go on: of the sets of clusters no two of which are ``apart``, the one
+    with the most ranks ``listed_rank`` holds for, then the most ranks, then the lowest rank.
+    Every set is tried up to 12 clusters; beyond, clusters are added greedily in that order."""
+    def score(group):
+        ranks = [r for c in group for r in members[c]]
+        return (sum(1 for r in ranks if listed_rank(r)), len(ranks), -min(ranks))
+
+    def joined(group):
+        return all(frozenset((a, b)) not in apart for a, b in itertools.combinations(group, 2))
+    labels = sorted(members, key=lambda c: min(members[c]))
+    if len(labels) <= 12:
+        groups = (g for k in range(1, len(labels) + 1) for g in itertools.combinations(labels, k) if joined(g))
+        return set(max(groups, key=score))
+    keep = []
+    for label in sorted(labels, key=lambda c: score([c]), reverse=True):
+        if joined(keep + [label]):
+            keep.append(label)
+    return set(keep)
 
 
 def _is_reset(rec):

@@ -140,7 +140,7 @@ def test_a_link_outage_longer_than_the_timeout_cuts_a_cluster_off_and_it_rejoins
     up = float(re.search(r"the link is up again \(t=40 s, unix time ([0-9.]+)\)", text).group(1))
     assert "cluster b (host 127.0.0.1) was cut off" in text and "blacklisted" not in text, text[-4000:]
     steps = eh.progress(log)
-    before = max(s for s, n, t in steps if n == 4 and t < down)
+    before = max((s for s, n, t in steps if n == 4 and t < down), default=0)   # 0: the link went down in start-up
     alone = [(s, t) for s, n, t in steps if n == 2]
     assert alone and alone[0][1] - down < 8 + 30, text[-4000:]   # the timeout, then going on within 30 s
     resumed_from = alone[0][0] - 1
@@ -150,6 +150,39 @@ def test_a_link_outage_longer_than_the_timeout_cuts_a_cluster_off_and_it_rejoins
     with open(out) as fh:
         result = json.load(fh)
     assert result == {**result, "steps": 600, "size": 4, "identical": True}, result
+    assert wan.leftovers(proc.pid) == [] and not eh.workers()
+
+
+@pytest.mark.slow
+def test_a_cluster_retried_while_the_link_is_still_down_is_cut_off_again(tmp_path, hosts):
+    """The retry time (here --blacklist-cooldown-range 5 5) passes while the link is still down:
+    the cut-off cluster is let back in, the start-up's deadline (hvd.init's first collective)
+    finds its ranks silent again, and it is cut off again, never blacklisted; the survivors go on
+    from their last commit each time; once the link is back it rejoins for good."""
+    from stellarun import wan
+    ok, why = wan.namespaces_available()
+    if not ok:
+        pytest.skip("network namespaces unavailable here: %s" % why)
+    listing, script = hosts
+    proc, log, out, f = eh.launch(tmp_path, script, 4, 900, extra=[
+        "--wan", "100mbit", "--wan-schedule", "12:down,50:100mbit", "--timeout", "8",
+        "--blacklist-cooldown-range", "5", "5"], train_args=["--commit-every", str(COMMIT_EVERY), "--step-sleep", "0.1"])
+    try:
+        rc = eh.finish(proc, f, timeout=400)
+    finally:
+        if not f.closed:
+            f.close()
+    text = eh.read(log)
+    assert rc == 0, text[-4000:]
+    up = float(re.search(r"the link is up again \(t=50 s, unix time ([0-9.]+)\)", text).group(1))
+    cuts = re.findall(r"cluster b \(host 127\.0\.0\.1\) was cut off", text)
+    assert len(cuts) >= 2 and "blacklisted" not in text, text[-6000:]
+    steps = eh.progress(log)
+    rejoined = [t for s, n, t in steps if n == 4 and t > up]
+    assert rejoined and rejoined[0] - up < 90, text[-4000:]
+    with open(out) as fh:
+        result = json.load(fh)
+    assert result == {**result, "steps": 900, "size": 4, "identical": True}, result
     assert wan.leftovers(proc.pid) == [] and not eh.workers()
 
 
