@@ -73,6 +73,19 @@ def test_start_and_end_have_deadlines(mode, what):
         assert re.search(r"rank 1 (\(host [^,]+, pid \d+\) )?never came", out), out[-3000:]
 
 
+def test_a_garbage_thc_scale_from_a_peer_ends_the_job():
+    """A THC scale is agreed by one MAX over the clusters: a peer's NaN wins it, so every rank
+    refuses the step (naming the ranks that agreed, not the sender: a MAX cannot tell)."""
+    proc, elapsed = _launch("corrupt_thc_scale")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, elapsed
+    assert re.search(r"THC scales of '[^']*thc\.grad[^']*' \(step 0\): the clusters' ranks \[[0-9, ]+\] agreed on "
+                     r"scale nan for block 0, not finite scales >= 0 and a flag of 0 or 1; a peer sent garbage", out), \
+        out[-3000:]
+    assert "finished without noticing" not in out
+
+
 def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     proc, elapsed = _launch("corrupt")
     out = proc.stdout + proc.stderr

@@ -81,7 +81,7 @@ class Hierarchy:
     cross-cluster traffic (``add(**counters)``, ``add_norms``); ``pacer`` emulates a slow link in
     user space. ``sparse_algorithm`` ("auto", "allgather", "tree") picks how selections are
     summed over 3+ clusters; ``tamper`` (tests only) is applied to this rank's outgoing sparse
-    payloads."""
+    payloads (uint8 tensors) and THC scales (float32 arrays: the block maxima, then the NaN flag)."""
 
     def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto", nccl="auto"):
         self.comms = comms

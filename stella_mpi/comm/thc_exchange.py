@@ -43,6 +43,8 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     # as int32 (for values >= 0 the same order; integer MAX is exact and associative, so a peer's
     # NaN or negative value cannot give ranks different results whatever the reduction order)
     agreed = np.append(work.absmax, np.float32(1.0 if work.nonfinite else 0.0)).astype(np.float32)
+    if hier.tamper is not None:
+        agreed = hier.tamper(agreed)
     started = time.monotonic()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [agreed.view(np.int32), MPI.INT32_T], op=MPI.MAX), "THC scales of %r" % key)
     scale_bytes = allreduce_bytes(agreed.nbytes, nclusters)

@@ -36,6 +36,19 @@ if mode == "corrupt":
         hvd.allreduce(torch.randn(10000), compression=comp, name="sparse.grad")
     print("rank %d finished without noticing the failure" % hvd.rank())
     raise SystemExit(0)
+if mode == "corrupt_thc_scale":
+    # rank 1 sends a NaN block maximum in the scale round: no rank may quantize with it
+    def nan_scales(agreed):
+        bad = agreed.copy()
+        bad[:-1] = float("nan")   # the block maxima; the NaN flag (last) stays as it was
+        return bad
+    if hvd.rank() == 1:
+        hvd.global_process_set.hierarchy.tamper = nan_scales
+    comp = hvd.Compression.thc(bits=4)
+    for step in range(5):
+        hvd.allreduce(torch.randn(10000), compression=comp, name="thc.grad")
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
 if mode in ("failing_op", "failing_op_all"):
     # the third allreduce fails inside the collective thread (as a broken transport would), on
     # rank 1 alone or on every rank (``failing_op_all``): a caller must get an error, never its
