@@ -390,12 +390,7 @@ def build_command(args, status_dir):
             raise UsageError("stellarun: --clusters %d is more than the %d ranks" % (args.clusters, np_))
         env["STELLA_CLUSTERS"] = str(args.clusters)
     if args.cluster_of:
-        mapping = {}
-        for item in args.cluster_of:
-            host, sep, label = item.partition("=")
-            if not sep or not host or not label:
-                raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
-            mapping[host] = label
+        mapping = parse_cluster_of(args.cluster_of)
         env["STELLA_CLUSTER_MAP"] = ",".join("%s=%s" % kv for kv in sorted(mapping.items()))
     for k, v in sorted(env.items()):
         cmd += ["-genv", k, v]
@@ -455,12 +450,7 @@ def run_elastic(args):
     if not args.host_discovery_script and not args.hosts:
         raise UsageError("stellarun: --elastic needs --host-discovery-script (or -H for a fixed host list)")
     args.static_hosts = parse_hosts(args.hosts) if args.hosts else None
-    labels = {}
-    for item in args.cluster_of or []:
-        host, sep, label = item.partition("=")
-        if not sep or not host or not label:
-            raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
-        labels[host] = label
+    labels = parse_cluster_of(args.cluster_of or [])
     args.cluster_labels = labels
     if args.blacklist_cooldown_range:
         lo, hi = args.blacklist_cooldown_range
@@ -500,6 +490,17 @@ def run_elastic(args):
         teardown()
         for s, h in stop.items():
             signal.signal(s, h)
+
+
+def parse_cluster_of(items):
+    """The ``--cluster-of HOST=LABEL`` options as {host: label} (the last one for a host wins)."""
+    labels = {}
+    for item in items:
+        host, sep, label = item.partition("=")
+        if not sep or not host or not label:
+            raise UsageError("stellarun: --cluster-of expects HOST=LABEL, got %r" % item)
+        labels[host] = label
+    return labels
 
 
 def parse_hosts(text):

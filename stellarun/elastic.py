@@ -270,6 +270,8 @@ class ElasticDriver:
             r = rec.get("rank", -1)
             if not 0 <= r < len(ranks) or _is_reset(rec) or self.cluster_of(ranks, r) in cut:
                 continue   # a rank that left for a reset, or one cut off: not the host's failure
+            if cut and rec.get("cause") == "deadline" and rec.get("silent") is None:
+                continue   # a start-up deadline that the cut explains (start_up_cut)
             silent = [s for s in rec.get("silent") or [] if 0 <= s < len(ranks)] if rec.get("cause") == "deadline" \
                 else []
             if silent:   # a deadline passed: the hosts of the ranks that did not answer (and were not cut off) failed
@@ -319,10 +321,22 @@ class ElasticDriver:
             for label, ms in members.items():
                 if label != mine and ms <= set(silent) and not ms & broken:
                     apart.add(frozenset((mine, label)))
-        if not apart:
-            return set()
-        keep = _joined_clusters(members, apart, lambda r: ranks[r][0] in listed)
-        cut = set(members) - keep
+        if apart:
+            keep = _joined_clusters(members, apart, lambda r: ranks[r][0] in listed)
+            cut = set(members) - keep
+
+            def why(label):
+                return "none of its %d rank(s) answered cluster %s at the deadline (the link between them is down?)" % (
+                    len(members[label]), ", ".join(sorted(c for c in members if frozenset((c, label)) in apart)))
+        else:
+            cut = self.start_up_cut(records, members)
+            if not cut:
+                return set()
+            keep = set(members) - cut
+
+            def why(label):
+                return ("the job did not start (a start-up deadline passed before any rank could be asked) with it "
+                        "back after a cut (the link is still down?)")
         for label in sorted(cut, key=lambda c: min(members[c])):
             self.cuts[label] = self.cuts.get(label, 0) + 1
             lo, hi = self.args.blacklist_cooldown_range or (None, None)
@@ -332,13 +346,26 @@ class ElasticDriver:
             for host in hosts:
                 if host in listed:   # one that left discovery was revoked: it may come back at once
                     self.cut_off[host] = time.monotonic() + wait
-            print("stellarun elastic: cluster %s (host%s %s) was cut off: none of its %d rank(s) answered cluster %s "
-                  "at the deadline (the link between them is down?); the job goes on with cluster%s %s; cluster %s is "
-                  "tried again in %.0f s" % (label, "s" if len(hosts) > 1 else "", ", ".join(hosts), len(members[label]),
-                                             ", ".join(sorted(c for c in members if frozenset((c, label)) in apart)),
-                                             "s" if len(keep) > 1 else "", ", ".join(sorted(keep)), label, wait),
-                  flush=True)
+            print("stellarun elastic: cluster %s (host%s %s) was cut off: %s; the job goes on with cluster%s %s; "
+                  "cluster %s is tried again in %.0f s" % (label, "s" if len(hosts) > 1 else "", ", ".join(hosts),
+                                                          why(label), "s" if len(keep) > 1 else "",
+                                                          ", ".join(sorted(keep)), label, wait), flush=True)
         return cut
+
+    def start_up_cut(self, records, members):
+        """A failure with nobody asked: every record a deadline without ``silent`` (MPI_Init, or
+        hvd.init() before the diagnosis can run, did not complete: over a link that is down,
+        MPICH's start-up does not finish). If clusters cut off before (since the last long
+        incarnation) are back in this job, the link is taken to be down still: they are cut
+        off again (all but rank 0's cluster when every one of them was). Else no cut: the
+        hosts fail as before."""
+        failed = [rec for rec in records if not _is_reset(rec)]
+        if not failed or any(rec.get("cause") != "deadline" or rec.get("silent") is not None for rec in failed):
+            return set()
+        back = {c for c in members if self.cuts.get(c)}
+        if back == set(members):
+            back -= {min(members, key=lambda c: min(members[c]))}
+        return back
 
 
 def _joined_clusters(members, apart, listed_rank):

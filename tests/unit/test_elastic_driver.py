@@ -181,3 +181,23 @@ def test_a_group_whose_hosts_left_discovery_does_not_go_on(two):
     driver.discovery.static = [("127.0.0.1", 1)]   # localhost was revoked: rank 0's side of the tie is gone
     assert driver.handle_cuts([_deadline(1, [0])], ranks, _listed(driver)) == {"a"}
     assert not driver.cut_off   # revoked, not cut off: when it is listed again it may rejoin at once
+
+
+def test_a_start_up_deadline_with_a_cluster_back_after_a_cut_cuts_it_off_again(two):
+    """MPI_Init does not complete over a link that is down, and before it nobody can be asked:
+    if a cluster cut off before is back in the job, it is cut off again and nobody is
+    blacklisted; without such a cluster, the hosts fail as before."""
+    driver, ranks = two
+    start_up = [{**_deadline(r, None), "detail": "MPI_Init did not complete within 8 s"} for r in range(4)]
+    for rec in start_up:
+        del rec["silent"]
+    driver.handle_failures(start_up, ranks)
+    assert not driver.cut_off and set(driver.blacklist) == {"localhost", "127.0.0.1"}
+    driver.blacklist.clear()
+    driver.cuts = {"b": 1}
+    driver.handle_failures(start_up, ranks)
+    assert set(driver.cut_off) == {"127.0.0.1"} and not driver.blacklist and driver.cuts == {"b": 2}
+    driver.cut_off.clear()
+    driver.cuts = {"a": 1, "b": 1}   # both were cut off before: rank 0's cluster goes on
+    driver.handle_failures(start_up, ranks)
+    assert set(driver.cut_off) == {"127.0.0.1"} and not driver.blacklist
