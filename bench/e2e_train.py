@@ -3,7 +3,8 @@ the same model, data, seed and steps under PyTorch DDP (gloo, flat over all rank
 users have today; "powersgd" and "postlocal:H" add torch's PowerSGD hook and post-local SGD) or
 under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, a sparse
 compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>",
-or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]"; <compressor> "thc" takes --bits).
+or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]", "localadapt[:<compressor>]" (H chosen
+by the adjuster, step-time objective with --target); <compressor> "thc" takes --bits).
 
 Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
 Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
@@ -167,11 +168,14 @@ def main():
             every, _, comp_name = comp_name.partition(":")
             local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov",
                                          overlap=args.overlap)
+        adjuster = None
+        if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
+            local_steps = hvd.LocalSteps(every=1)
+            adjuster = hvd.Adjuster(objective="step_time", target=args.target)
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
         else:
             comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
-        adjuster = None
         if kind in ("adapt", "cpuadapt"):
             adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target,
                                     thc_bits=tuple(args.thc_bits))
@@ -180,7 +184,7 @@ def main():
                                            engine="cpu", staleness=1, model=model, adjuster=adjuster)
         elif local_steps is not None:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                           local_steps=local_steps)
+                                           local_steps=local_steps, adjuster=adjuster)
         else:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            adjuster=adjuster,
@@ -256,6 +260,8 @@ def main():
             paused += dt
             if getattr(opt, "_adjust", None) is not None:
                 opt._adjust.exclude(dt)   # nor in the adjuster's timing of the next step
+            if hasattr(opt, "exclude_time"):
+                opt.exclude_time(dt)      # (local steps: nor in the period's compute time)
             now = time.perf_counter()
         if over:
             break

@@ -31,6 +31,9 @@ class AdjusterSettings:
         every entry at that many bits, summed on the wire (``hvd.Compression.thc``; its
         defaults otherwise). They sit on the ladder after the sparse densities below 1 and
         before dense. Empty (the default): densities only. Time-to-loss objective only.
+    local_steps: the ladder of local steps H the adjuster chooses from for an optimizer with
+        ``local_steps=hvd.LocalSteps(...)`` (step-time objective only: see
+        :mod:`.local_steps_rule`); unused otherwise.
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -46,6 +49,7 @@ class AdjusterSettings:
     hysteresis: float = 0.25
     levels_per_decade: int = 6
     thc_bits: Tuple[int, ...] = ()
+    local_steps: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self):
         for name in ("min_density", "max_density"):
@@ -78,6 +82,11 @@ class AdjusterSettings:
             raise ValueError("Adjuster: thc_bits needs objective='time_to_loss': the step-time objective relies on "
                              "payloads growing along the ladder, and a THC rung sends fewer bytes than the densest "
                              "sparse rungs below it")
+        hs = self.local_steps
+        if not isinstance(hs, (tuple, list)) or not hs or any(isinstance(h, bool) or not isinstance(h, int) or h < 1
+                                                             for h in hs) or len(set(hs)) != len(hs):
+            raise ValueError("Adjuster: local_steps must be distinct integers >= 1 (the ladder of H), got %r" % (hs,))
+        object.__setattr__(self, "local_steps", tuple(sorted(hs)))
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

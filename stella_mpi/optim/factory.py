@@ -57,11 +57,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``local_steps=hvd.LocalSteps(every=H, outer="average" | "nesterov")``: gradients are averaged
     inside each cluster at every step and the clusters exchange the pseudo-gradient (parameters at
     the last exchange minus now) every H steps, through ``compression``, applied by the outer
-    optimizer (optim/local_steps.py)."""
+    optimizer (optim/local_steps.py). With ``adjuster=hvd.Adjuster(objective="step_time",
+    target=...)`` H is chosen from ``Adjuster.local_steps`` by the measured compute and exchange
+    times, on every rank at the same exchange (adjust/local_steps_rule.py)."""
     state.current("hvd.DistributedOptimizer")
     if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
         raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
-    if adjuster is not None and not getattr(compression, "sparse", False):
+    if adjuster is not None and local_steps is None and not getattr(compression, "sparse", False):
         raise ValueError("adjuster= tunes the density of a sparse compressor; pass compression="
                          "hvd.Compression.cacheaware(density=...) (or topk, threshold, randomk)")
     if engine not in (None, "cpu"):
@@ -70,7 +72,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("momentum_correction must be False, True or 'masking', not %r" % (momentum_correction,))
     if getattr(compression, "homomorphic", False):
         what = "DistributedOptimizer(compression=%r)" % compression
-        if adjuster is not None:
+        if adjuster is not None and local_steps is None:
             raise ValueError("%s: the adjuster moves along a ladder of sparse densities; to let it choose thc's "
                              "bits, pass a sparse compression and hvd.Adjuster(thc_bits=(2, 4, 8))" % what)
         _check_homomorphic(what, engine, momentum_correction, density_warmup, dense_below)
@@ -143,10 +145,21 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
         raise ValueError("%s averages pseudo-gradients: op must be hvd.Average" % what)
     if process_set is not global_process_set:
         raise ValueError("%s runs over the global process set (its clusters are the local groups)" % what)
-    for name, value in (("adjuster", adjuster), ("momentum_correction", momentum_correction),
+    for name, value in (("momentum_correction", momentum_correction),
                         ("density_warmup", density_warmup), ("dense_below", dense_below)):
         if value:
             raise ValueError("%s: %s applies to the gradient route, not to local steps" % (what, name))
+    if adjuster is not None:   # it chooses H (adjust/local_steps_rule.py)
+        if adjuster.objective != "step_time":
+            raise ValueError("%s: the adjuster chooses H with the step-time objective only, pass hvd.Adjuster("
+                             "objective='step_time', target=...): time to loss would need the loss, which local "
+                             "steps do not see" % what)
+        if adjuster.thc_bits or adjuster.allow_accumulation or adjuster.batch_split:
+            raise ValueError("%s: the adjuster's thc_bits, allow_accumulation and batch_split apply to the gradient "
+                             "route; with local steps it chooses H from Adjuster(local_steps=...)" % what)
+        if local_steps.overlap:
+            raise ValueError("%s: the adjuster does not choose H with overlap=True (the hidden exchange's cost is "
+                             "a wait that is not measured yet); use overlap=False" % what)
     if local_steps.overlap and compression is not Compression.none:
         raise ValueError("%s: overlap=True sends the pseudo-gradient over its own communicator, outside the "
                          "collective thread, uncompressed; pass compression=hvd.Compression.none (or overlap=False "
@@ -161,5 +174,5 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
     cls._stella_base_class = optimizer.__class__
     opt = cls(optimizer.param_groups, named_parameters, Compression.none, backward_passes_per_step, op,
               gradient_predivide_factor, groups, sparse_as_dense, cluster)
-    opt._init_local_steps(local_steps, compression)
+    opt._init_local_steps(local_steps, compression, adjuster)
     return opt

@@ -50,27 +50,35 @@ inside the cluster. It takes compression none (float32; float64 parameters go as
 
 The CPU engine is refused: it keeps its master copy and optimizer state in shards spread over
 the ranks of all clusters, which a cluster-local step cannot update alone.
+
+With ``adjuster=hvd.Adjuster(objective="step_time")`` H is chosen at each exchange (not with
+``overlap``) from the period's compute and exchange times averaged over all ranks
+(adjust/local_steps_rule.py) and applies from the next period, on every rank alike.
 """
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from mpi4py import MPI
 
+from ..adjust.local_steps_rule import LocalStepsRule
 from ..api.allgather import allgather
 from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
 from ..api.broadcast import broadcast
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.queries import rank
-from ..api.reduce_ops import Average
+from ..api.reduce_ops import Average, Sum
+from ..base import timeline
 from ..comm.buffers import mpi_view, split_counts
 from ..comm.hierarchy import allreduce_bytes
 from ..core import state
 from ..core.collective_thread import Op
 from ..core.process_sets import ProcessSet, global_process_set
 
+log = logging.getLogger("stella_mpi")
 OUTERS = ("average", "nesterov")
 _instances = itertools.count()   # names each optimizer's exchange (ranks build optimizers in the same order)
 
@@ -115,6 +123,7 @@ class LocalStepsState:
     def __init__(self, settings):
         self.settings = settings
         # progress
+        self.every = settings.every   # H now (the adjuster may change it at an exchange)
         self.local_steps = 0      # steps since the last exchange
         self.exchanges = 0        # exchanges done
         # per parameter (by name)
@@ -125,7 +134,7 @@ class LocalStepsState:
         self.anchor = {n: p.detach().clone() for n, p in named}
 
     def state_dict(self):
-        return {"local_steps": self.local_steps, "exchanges": self.exchanges,
+        return {"every": self.every, "local_steps": self.local_steps, "exchanges": self.exchanges,
                 "anchor": {n: t.clone() for n, t in self.anchor.items()},
                 "momentum": {n: t.clone() for n, t in self.momentum.items()}}
 
@@ -138,6 +147,7 @@ class LocalStepsState:
             if unknown or (what == "anchor" and sd[what] and set(sd[what]) != set(params)):
                 raise ValueError("LocalSteps state: %s names %s, the optimizer's parameters are %s"
                                  % (what, unknown or sorted(sd[what]), sorted(params)))
+        self.every = int(sd.get("every", self.settings.every))
         self.local_steps = int(sd["local_steps"])
         self.exchanges = int(sd["exchanges"])
         self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
@@ -262,26 +272,64 @@ class LocalStepsMixin:
     """What the synchronous optimizer (built on the cluster's process set) gains: the outer
     exchange every ``every`` steps. Mixed in before :class:`.synchronous._DistributedOptimizer`."""
 
-    def _init_local_steps(self, settings, outer_compression):
+    def _init_local_steps(self, settings, outer_compression, adjuster=None):
         self._ls = LocalStepsState(settings)
+        # the adjuster's choice of H (adjust/local_steps_rule.py): the rule, the start of the
+        # current period (perf_counter), the last decision's reason
+        self._ls_rule = LocalStepsRule(adjuster, settings.every) if adjuster is not None else None
+        self._ls_period_start = None
+        self.local_steps_reason = None
         self._ls_compression = outer_compression
         self._ls_named = [(self._names[p], p) for p in self._params]
         self._ls_name = "local_steps.%d.delta" % next(_instances)
         self._ls_channel = OuterChannel(self._ls_name) if settings.overlap else None
         self._ls_in_sync = False   # overlap: every rank holds the anchor and nothing was trained since
 
+    @property
+    def local_steps_every(self):
+        """H now: local steps between two exchanges across clusters."""
+        return self._ls.every
+
     def step(self, closure=None):
         if not self._ls.anchor:
             self._ls.capture(self._ls_named)    # the broadcast parameters, before the first update
+        if self._ls_period_start is None:
+            self._ls_period_start = time.perf_counter()
         loss = super().step(closure)
         self._ls_in_sync = False
         self._ls.local_steps += 1
-        if self._ls.local_steps >= self._ls.settings.every:
+        if self._ls.local_steps >= self._ls.every:
             if self._ls_channel is not None:
                 self._overlapped_outer_step()
             else:
+                started = time.perf_counter()
+                compute_s = (started - self._ls_period_start) / self._ls.local_steps
                 self._outer_step()
+                if self._ls_rule is not None:
+                    self._choose_every(compute_s, time.perf_counter() - started)
         return loss
+
+    def exclude_time(self, seconds):
+        """Leave ``seconds`` the training loop spent outside training (an evaluation, a
+        checkpoint) out of this period's compute time, which the adjuster's H is chosen from."""
+        if self._ls_period_start is not None:
+            self._ls_period_start += seconds
+
+    def _choose_every(self, compute_s, exchange_s):
+        """The adjuster's H for the next period, from this period's times (seconds per local
+        step, seconds of the exchange) averaged over all ranks (one all-reduce of two numbers:
+        every rank decides from the same values: summed as integer microseconds, exact whatever
+        the order of the sum)."""
+        mine = torch.tensor([round(1e6 * compute_s), round(1e6 * exchange_s)], dtype=torch.int64)
+        total = synchronize(grouped_allreduce_async([mine], op=Sum, name=self._ls_name + ".times"))[0]
+        compute_s, exchange_s = (1e-6 * int(t) / global_process_set.size() for t in total)
+        self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
+        every, reason = self._ls_rule.observe(compute_s, exchange_s)
+        if every != self._ls.every:
+            log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
+            timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)
+        self._ls.every, self.local_steps_reason = every, reason
+        self._ls_period_start = time.perf_counter()
 
     def _outer_update(self, name, anchor, avg):
         """The outer optimizer: the new anchor from the old one and the mean pseudo-gradient."""
@@ -368,6 +416,7 @@ class LocalStepsMixin:
                 anchor.copy_(p)
         self._ls.local_steps = 0
         self._ls.exchanges += 1
+        self._ls_period_start = time.perf_counter()
 
     def state_dict(self):
         out = super().state_dict()

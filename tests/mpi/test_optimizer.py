@@ -463,13 +463,45 @@ def test_local_steps_overlap_checkpoints_without_waiting_on_the_others():
     _assert_same_everywhere(model)
 
 
+def test_local_steps_adjuster_chooses_h_the_same_on_every_rank():
+    """adjuster=hvd.Adjuster(objective="step_time") with local steps chooses H: over a slow link
+    (user-space pacing of the cross-cluster sends, on every rank alike) an exchange costs far
+    more than these small steps, so H leaves 1 for a longer period at the first exchange; every
+    rank follows the same H at the same step, and after sync_clusters() holds the same model."""
+    from stella_mpi.comm.pacing import Pacer
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no exchange across clusters")
+    hier = hvd.global_process_set.hierarchy
+    seen = []
+    old, hier.pacer = hier.pacer, Pacer(bps=1e6)
+    try:
+        model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+            _sgd(m), named_parameters=m.named_parameters(), local_steps=hvd.LocalSteps(every=1),
+            adjuster=hvd.Adjuster(objective="step_time", target=1.2, local_steps=(1, 4, 16))), 12,
+            lambda step, model, opt: seen.append((step, opt.local_steps_every)))
+        opt.sync_clusters()
+    finally:
+        hier.pacer = old
+    assert seen[0] == (0, 16), (seen, opt.local_steps_reason)   # at the first exchange: to the ladder's top
+    assert "exceeds the budget" in opt.local_steps_reason or "cannot hide" in opt.local_steps_reason
+    assert all(x == seen for x in hvd.allgather_object(seen))
+    assert opt.state_dict()["stella_local_steps"]["every"] == 16
+    _assert_same_everywhere(model)
+
+
 def test_local_steps_refusals():
     model = _model()
     ls = hvd.LocalSteps(every=2)
     for kw, match in ((dict(engine="cpu"), "CPU engine"), (dict(op=hvd.Sum), "op must be"),
-                      (dict(compression=hvd.Compression.topk(0.1), adjuster=hvd.Adjuster()), "adjuster")):
+                      (dict(compression=hvd.Compression.topk(0.1), adjuster=hvd.Adjuster()), "step-time objective only"),
+                      (dict(adjuster=hvd.Adjuster(objective="step_time", allow_accumulation=True)),
+                       "apply to the gradient route")):
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), local_steps=ls, **kw)
+    with pytest.raises(ValueError, match="does not choose H with overlap=True"):
+        hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                 local_steps=hvd.LocalSteps(every=2, overlap=True),
+                                 adjuster=hvd.Adjuster(objective="step_time"))
     with pytest.raises(ValueError, match="overlap=True sends the pseudo-gradient"):
         hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                  compression=hvd.Compression.topk(0.1),

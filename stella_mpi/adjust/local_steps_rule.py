@@ -1,0 +1,59 @@
+"""How the adjuster chooses the local steps H of ``hvd.LocalSteps`` (pure: the same inputs give
+the same H on every rank).
+
+Measured at each exchange and averaged over all ranks (one small all-reduce):
+
+    compute_s   seconds per local step between two exchanges (forward, backward, the reduction
+                inside the cluster, the update, and whatever the training loop does)
+    exchange_s  seconds of the last exchange across clusters (the pseudo-gradient's all-reduce
+                and the outer update: with a slow link, the wire)
+
+The step-time objective, as for densities: the exchange amortized over H steps may add at most
+``(target - 1)`` times compute to a step, and the smallest H that fits is chosen (the clusters
+meet as often as the budget allows: with every=1 and no compression local steps are synchronous
+training)::
+
+    ratio(H) = (exchange_s / H) / ((target - 1) * compute_s)        fits when <= 1
+
+Hysteresis (``Adjuster.hysteresis`` h): stay while the current H fits within ``1 + h``; move to a
+smaller H only to one that fits within ``1 - h`` in two decisions running; when the current H no
+longer fits, move at once to the smallest H that fits (the largest on the ladder when none does).
+The ladder is ``Adjuster.local_steps``. A smaller H costs more exchanges; a larger one lets the
+clusters drift apart for longer, which this rule does not measure: the loss is not seen, so
+the time-to-loss objective is refused with local steps.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LocalStepsRule:
+    """The H decisions of one optimizer (one instance per rank, fed the same averages)."""
+    settings: object          # AdjusterSettings: target, hysteresis, local_steps (the ladder)
+    every: int                # the current H
+    _smaller: list = field(default_factory=list)   # the smaller H that fitted in the last decisions
+
+    def ratio(self, compute_s, exchange_s, every):
+        allowed = max((self.settings.target - 1.0) * compute_s, 1e-9)
+        return exchange_s / every / allowed
+
+    def observe(self, compute_s, exchange_s):
+        """One exchange's averaged measurements; returns (H for the next period, reason)."""
+        ladder, h, cur = self.settings.local_steps, self.settings.hysteresis, self.every
+        fits = {H: self.ratio(compute_s, exchange_s, H) for H in ladder + (cur,)}
+        if fits[cur] <= 1.0 + h:
+            smaller = min([H for H in ladder if H < cur and fits[H] <= 1.0 - h], default=cur)
+            self._smaller = (self._smaller + [smaller])[-2:] if smaller < cur else []
+            new = max(self._smaller) if len(self._smaller) == 2 else cur
+            if new < cur:
+                self._smaller = []
+            reason = "the link allows more frequent exchanges" if new < cur else "steady"
+        else:
+            self._smaller = []
+            fitting = [H for H in ladder if fits[H] <= 1.0]
+            new = min(fitting) if fitting else ladder[-1]
+            reason = "the exchange exceeds the budget" if fitting else \
+                "even the longest period on the ladder cannot hide the exchange"
+        self.every = new
+        return new, "%s: compute %.1f ms per step, exchange %.1f ms, H=%d adds %.2fx compute (target %.2fx)" % (
+            reason, 1e3 * compute_s, 1e3 * exchange_s, new, 1.0 + exchange_s / new / max(compute_s, 1e-9),
+            self.settings.target)

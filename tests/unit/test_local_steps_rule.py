@@ -1,0 +1,51 @@
+"""The adjuster's choice of local steps H (stella_mpi/adjust/local_steps_rule.py): the smallest H
+on the ladder whose amortized exchange fits the step-time budget, with hysteresis."""
+import pytest
+
+from stella_mpi.adjust.local_steps_rule import LocalStepsRule
+from stella_mpi.adjust.settings import Adjuster
+
+
+def rule(every=1, **kw):
+    return LocalStepsRule(Adjuster(objective="step_time", target=kw.pop("target", 1.2), **kw), every)
+
+
+def test_the_smallest_h_that_fits_the_budget():
+    # 10 ms of compute per step, target 1.2: 2 ms per step for the exchange
+    r = rule()
+    assert r.observe(0.010, 0.030)[0] == 16          # 30 ms / 16 = 1.9 ms fits, / 8 = 3.75 ms does not
+    r = rule()
+    assert r.observe(0.010, 0.001)[0] == 1           # a fast link: synchronous every step
+    r = rule(target=1.5)
+    assert r.observe(0.010, 0.030)[0] == 8           # a looser budget: 5 ms per step
+
+
+def test_nothing_fits_the_longest_period_and_says_so():
+    r = rule()
+    every, reason = r.observe(0.010, 10.0)
+    assert every == 64 and reason.startswith("even the longest period on the ladder cannot hide the exchange")
+
+
+def test_a_faster_link_lowers_h_only_after_two_decisions_and_within_the_dead_band():
+    r = rule(every=16)
+    assert r.observe(0.010, 0.030)[0] == 16          # fits (ratio 0.94): steady
+    assert r.observe(0.010, 0.0035)[0] == 16         # 4 fits within 1 - 0.25 (0.44) ... once
+    every, reason = r.observe(0.010, 0.0035)
+    assert every == 4 and reason.startswith("the link allows more frequent exchanges")   # ... twice: down
+    assert r.observe(0.010, 0.0035)[0] == 4          # 2 would be ratio 0.875: not within the dead band
+    assert r.observe(0.010, 0.0095)[0] == 4          # ratio 1.19: within 1 + 0.25, stays
+    every, reason = r.observe(0.010, 0.0110)         # ratio 1.375: over the budget, at once
+    assert every == 8 and reason.startswith("the exchange exceeds the budget")
+
+
+def test_a_current_h_off_the_ladder_is_kept_while_it_fits():
+    r = rule(every=3)
+    assert r.observe(0.010, 0.006)[0] == 3           # ratio 1.0 at H=3
+    assert r.observe(0.010, 0.020)[0] == 16          # over: H >= 10 fits, the ladder's 16
+
+
+def test_the_ladder_is_validated():
+    for bad in ((), (0, 2), (2, 2), (1.5,), (True,), "124"):
+        with pytest.raises(ValueError, match="local_steps must be distinct integers >= 1"):
+            Adjuster(local_steps=bad)
+    assert Adjuster(local_steps=[8, 1, 2]).local_steps == (1, 2, 8)
