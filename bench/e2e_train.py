@@ -245,7 +245,8 @@ def main():
                         "density": st.get("adjust_density", st.get("density")),
                         "sent_density": st.get("density"),   # measured: entries sent / elements
                         "residual_norm_ratio": st.get("residual_norm_ratio"),
-                        "wan_bandwidth_bps": st.get("wan_bandwidth_bps")})
+                        "wan_bandwidth_bps": st.get("wan_bandwidth_bps"),
+                        "local_steps_every": getattr(opt, "local_steps_every", None)})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
                 reached = {"step": step, "elapsed_s": elapsed}
