@@ -469,9 +469,11 @@ def run_elastic(args):
         raise UsageError("stellarun: --elastic --wan emulates the link between clusters of this machine: give 2 or more "
                          "clusters with --cluster-of HOST=LABEL (hosts are names of this machine: localhost, "
                          "127.0.0.1, ...) and hosts by --host-discovery-script (not -H or --network-interface)")
-    emu, setup, teardown = wan_emulation(args, len(clusters))
-    if args.dry_run:   # print the first incarnation's command: nothing to build
-        setup = teardown = (lambda: None)
+    if args.dry_run:   # print the first incarnation's command: nothing probed or built
+        emu, setup, teardown = WanEmulation(len(clusters), args.wan, args.wan_schedule or [], delay_s=args.wan_delay), \
+            (lambda: None), (lambda: None)
+    else:
+        emu, setup, teardown = wan_emulation(args, len(clusters))
     stop = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN}
 
     def end(signum, frame):   # between incarnations: remove the emulation on the way out

@@ -137,7 +137,7 @@ class ElasticDriver:
         self.resets = 0
         self.blacklist = {}     # host -> until (monotonic seconds; inf: for good)
         self.cut_off = {}       # host -> until: its cluster was cut off by the link (not the host's fault)
-        self.cuts = {}          # cluster label -> how many times it was cut off (since the last long incarnation)
+        self.cuts = {}          # cluster label -> times cut off (since a long incarnation with it)
         self.unplaceable = set()   # hosts --wan cannot place (warned about once)
         self.command_for_segments = command_for_segments
         self.run_job = run_job
@@ -248,8 +248,9 @@ class ElasticDriver:
                           raised[0].get("rank", -1), flush=True)
                     return rc
                 self.resets += 1
-                if self.history[-1][3] >= CUT_RETRY_MAX_S:
-                    self.cuts = {}   # the links held for a long incarnation: a new cut starts the back-off over
+                if self.history[-1][3] >= CUT_RETRY_MAX_S:   # the links of a long incarnation's clusters held:
+                    for host in used:                          # a new cut of one starts its back-off over
+                        self.cuts.pop(self.labels.get(host, host), None)
                 self.handle_failures(records, ranks)
                 if self.resets > self.args.reset_limit:
                     print("stellarun elastic: %d resets, more than --reset-limit %d; giving up" % (

@@ -201,3 +201,40 @@ def test_a_start_up_deadline_with_a_cluster_back_after_a_cut_cuts_it_off_again(t
     driver.cuts = {"a": 1, "b": 1}   # both were cut off before: rank 0's cluster goes on
     driver.handle_failures(start_up, ranks)
     assert set(driver.cut_off) == {"127.0.0.1"} and not driver.blacklist
+
+
+def test_a_long_incarnation_without_the_cut_cluster_keeps_its_back_off(two, monkeypatch):
+    """The back-off of a cluster starts over only after a long incarnation *with* it: a long one
+    of the survivors alone (the cut cluster's wait at its cap) must not make its next start-up
+    failure look like every host's."""
+    driver, _ = two
+    driver.cuts = {"b": 6}
+    start_up = [{"rank": r, "host": "vm", "pid": 1, "time": 0.0, "cause": "deadline", "detail": "MPI_Init ..."}
+                for r in range(4)]
+    outcomes = [("alone", 1), ("both", 1), ("both", 0)]
+    seen = []
+
+    def run_job(segments, records):
+        which, rc = outcomes.pop(0)
+        seen.append(sorted({h for h, _ in segments}))
+        if which == "both" and rc:
+            records.extend(start_up)
+        elif rc:   # the survivors leave for a reset (hosts added) after a long incarnation
+            elastic.time.sleep(0.2)
+            records.append({"rank": 0, "host": "vm", "pid": 1, "time": 0.0, "cause": "exit",
+                            "detail": "exited with code %d" % elastic.RESET_EXIT})
+        return rc
+    driver.command_for_segments, driver.run_job = (lambda segments: segments), run_job
+    driver.discovery.static = [("localhost", 2)]   # b is not listed during the first incarnation ...
+    monkeypatch.setattr(elastic, "CUT_RETRY_MAX_S", 0.1)   # ... which counts as long (0.2 s); the next is short
+    driver.args.reset_limit, driver.args.elastic_timeout = 5, 5
+    driver.args.blacklist_cooldown_range = (0, 0)
+    orig = driver.handle_failures
+
+    def back(records, ranks):   # b is listed again for the next incarnation
+        driver.discovery.static = [("localhost", 2), ("127.0.0.1", 2)]
+        orig(records, ranks)
+    driver.handle_failures = back
+    assert driver.run() == 0
+    assert seen[0] == ["localhost"] and seen[1] == ["127.0.0.1", "localhost"]
+    assert not driver.blacklist and driver.cuts["b"] == 7   # cut off again, not every host blacklisted
