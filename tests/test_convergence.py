@@ -23,6 +23,12 @@ pytestmark = pytest.mark.mpi
 STEPS = 500
 
 
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """Dense training: the baseline of every comparison here (trained once per run)."""
+    return _train(tmp_path_factory.mktemp("dense"), "dense")
+
+
 def _train(tmp_path, tag, *extra):
     out = tmp_path / ("%s.json" % tag)
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
@@ -38,11 +44,10 @@ def _train(tmp_path, tag, *extra):
     return result
 
 
-def test_one_percent_with_momentum_correction_matches_dense(tmp_path):
+def test_one_percent_with_momentum_correction_matches_dense(tmp_path, dense):
     """The default run's short version: DGC's momentum correction (optim/momentum_correction.py)
     brings top-k 1 % to parity with dense; cache-aware blocks (which capture less of the
     gradient's energy: see bench/bench_selection_quality.py) come closer with the density warm-up."""
-    dense = _train(tmp_path, "dense")
     mc = _train(tmp_path, "mc", "--compression", "topk", "--density", "0.01", "--momentum-correction", "on")
     ca = _train(tmp_path, "ca", "--compression", "cacheaware", "--density", "0.01", "--momentum-correction", "on",
                 "--density-warmup", "50")
@@ -55,9 +60,8 @@ def test_one_percent_with_momentum_correction_matches_dense(tmp_path):
 
 
 @pytest.mark.slow
-def test_sparse_one_percent_with_error_feedback_matches_dense(tmp_path):
+def test_sparse_one_percent_with_error_feedback_matches_dense(tmp_path, dense):
     """Error feedback alone, without it, and on the CPU engine at staleness 0 and 1 (-m slow)."""
-    dense = _train(tmp_path, "dense")
     ef = _train(tmp_path, "ef", "--compression", "topk", "--density", "0.01")
     no_ef = _train(tmp_path, "noef", "--compression", "topk", "--density", "0.01", "--no-error-feedback")
     cpu = _train(tmp_path, "cpu", "--compression", "topk", "--density", "0.01", "--engine", "cpu",

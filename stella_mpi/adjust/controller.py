@@ -243,6 +243,7 @@ class Controller:
     _up_candidates: list = field(default_factory=list)
     _thc_age: int = 0        # windows since a THC rung last measured its fixed cost
     _thc_retries: int = 0    # times that measurement was forgotten (the next wait doubles)
+    _thc_held: int = 0       # windows in a row that measured a THC rung
 
     def __post_init__(self):
         s = self.settings
@@ -299,6 +300,9 @@ class Controller:
             if xs:
                 self._known[key] = _median(xs)
         self._thc_age = 0 if kinds["fixed_thc"] else self._thc_age + 1
+        self._thc_held = self._thc_held + 1 if kinds["fixed_thc"] else 0
+        if self._thc_held >= THC_RETRY_WINDOWS:
+            self._thc_retries = 0   # THC held as long as a first wait: a later slow window starts the back-off over
         if "fixed_thc" in self._known and self._thc_age >= THC_RETRY_WINDOWS << self._thc_retries:
             del self._known["fixed_thc"]   # try THC again with the sparse route's cost: it may have been noise
             self._thc_retries += 1

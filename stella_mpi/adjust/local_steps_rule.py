@@ -1,12 +1,17 @@
 """How the adjuster chooses the local steps H of ``hvd.LocalSteps`` (pure: the same inputs give
 the same H on every rank).
 
-Measured at each exchange and averaged over all ranks (one small all-reduce):
+Measured at each exchange by every rank and gathered (one small all-gather; the optimizer):
 
     compute_s   seconds per local step between two exchanges (forward, backward, the reduction
-                inside the cluster, the update, and whatever the training loop does)
-    exchange_s  seconds of the last exchange across clusters (the pseudo-gradient's all-reduce
-                and the outer update: with a slow link, the wire)
+                inside the cluster, the update, and whatever the training loop does): the
+                slowest rank's, the critical path
+    exchange_s  seconds of the exchange across clusters (the pseudo-gradient's all-reduce and
+                the outer update, plus the last decision's own gather): the fastest rank's,
+                the one that arrived last and so waited for the wire, not for a slower cluster
+
+The rule takes the medians of the last ``Adjuster.window`` exchanges (one noisy period, a pause
+of the training loop, does not move H alone).
 
 The step-time objective, as for densities: the exchange amortized over H steps may add at most
 ``(target - 1)`` times compute to a step, and the smallest H that fits is chosen (the clusters
@@ -28,16 +33,20 @@ from dataclasses import dataclass, field
 @dataclass
 class LocalStepsRule:
     """The H decisions of one optimizer (one instance per rank, fed the same averages)."""
-    settings: object          # AdjusterSettings: target, hysteresis, local_steps (the ladder)
+    settings: object          # AdjusterSettings: target, hysteresis, window, local_steps (the ladder)
     every: int                # the current H
     _smaller: list = field(default_factory=list)   # the smaller H that fitted in the last decisions
+    _recent: list = field(default_factory=list)    # (compute_s, exchange_s) of the last exchanges
 
     def ratio(self, compute_s, exchange_s, every):
         allowed = max((self.settings.target - 1.0) * compute_s, 1e-9)
         return exchange_s / every / allowed
 
     def observe(self, compute_s, exchange_s):
-        """One exchange's averaged measurements; returns (H for the next period, reason)."""
+        """One exchange's measurements; returns (H for the next period, reason)."""
+        self._recent = (self._recent + [(compute_s, exchange_s)])[-int(self.settings.window):]
+        compute_s = _median([c for c, _ in self._recent])
+        exchange_s = _median([x for _, x in self._recent])
         ladder, h, cur = self.settings.local_steps, self.settings.hysteresis, self.every
         fits = {H: self.ratio(compute_s, exchange_s, H) for H in ladder + (cur,)}
         if fits[cur] <= 1.0 + h:
@@ -50,10 +59,16 @@ class LocalStepsRule:
         else:
             self._smaller = []
             fitting = [H for H in ladder if fits[H] <= 1.0]
-            new = min(fitting) if fitting else ladder[-1]
+            new = min(fitting) if fitting else max(ladder[-1], cur)
             reason = "the exchange exceeds the budget" if fitting else \
                 "even the longest period on the ladder cannot hide the exchange"
         self.every = new
-        return new, "%s: compute %.1f ms per step, exchange %.1f ms, H=%d adds %.2fx compute (target %.2fx)" % (
+        return new, "%s: compute %.1f ms per step, exchange %.1f ms, H=%d: step %.2fx compute (target %.2fx)" % (
             reason, 1e3 * compute_s, 1e3 * exchange_s, new, 1.0 + exchange_s / new / max(compute_s, 1e-9),
             self.settings.target)
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])

@@ -154,9 +154,9 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
             raise ValueError("%s: the adjuster chooses H with the step-time objective only, pass hvd.Adjuster("
                              "objective='step_time', target=...): time to loss would need the loss, which local "
                              "steps do not see" % what)
-        if adjuster.thc_bits or adjuster.allow_accumulation or adjuster.batch_split:
-            raise ValueError("%s: the adjuster's thc_bits, allow_accumulation and batch_split apply to the gradient "
-                             "route; with local steps it chooses H from Adjuster(local_steps=...)" % what)
+        if adjuster.allow_accumulation or adjuster.batch_split:   # (thc_bits needs the time-to-loss objective)
+            raise ValueError("%s: the adjuster's allow_accumulation and batch_split apply to the gradient route; "
+                             "with local steps it chooses H from Adjuster(local_steps=...)" % what)
         if local_steps.overlap:
             raise ValueError("%s: the adjuster does not choose H with overlap=True (the hidden exchange's cost is "
                              "a wait that is not measured yet); use overlap=False" % what)

@@ -52,7 +52,7 @@ The CPU engine is refused: it keeps its master copy and optimizer state in shard
 the ranks of all clusters, which a cluster-local step cannot update alone.
 
 With ``adjuster=hvd.Adjuster(objective="step_time")`` H is chosen at each exchange (not with
-``overlap``) from the period's compute and exchange times averaged over all ranks
+``overlap``) from the period's compute and exchange times gathered from all ranks
 (adjust/local_steps_rule.py) and applies from the next period, on every rank alike.
 """
 import itertools
@@ -70,7 +70,7 @@ from ..api.broadcast import broadcast
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.queries import rank
-from ..api.reduce_ops import Average, Sum
+from ..api.reduce_ops import Average
 from ..base import timeline
 from ..comm.buffers import mpi_view, split_counts
 from ..comm.hierarchy import allreduce_bytes
@@ -278,6 +278,8 @@ class LocalStepsMixin:
         # current period (perf_counter), the last decision's reason
         self._ls_rule = LocalStepsRule(adjuster, settings.every) if adjuster is not None else None
         self._ls_period_start = None
+        self._ls_timed = False       # the current period was timed from its start (not the first one)
+        self._ls_gather_s = 0.0      # the last decision's gather: part of the next exchange's cost
         self.local_steps_reason = None
         self._ls_compression = outer_compression
         self._ls_named = [(self._names[p], p) for p in self._params]
@@ -293,8 +295,8 @@ class LocalStepsMixin:
     def step(self, closure=None):
         if not self._ls.anchor:
             self._ls.capture(self._ls_named)    # the broadcast parameters, before the first update
-        if self._ls_period_start is None:
-            self._ls_period_start = time.perf_counter()
+        if self._ls_period_start is None:   # the first period (after a load): timed from here, not whole
+            self._ls_period_start, self._ls_timed = time.perf_counter(), False
         loss = super().step(closure)
         self._ls_in_sync = False
         self._ls.local_steps += 1
@@ -317,19 +319,24 @@ class LocalStepsMixin:
 
     def _choose_every(self, compute_s, exchange_s):
         """The adjuster's H for the next period, from this period's times (seconds per local
-        step, seconds of the exchange) averaged over all ranks (one all-reduce of two numbers:
-        every rank decides from the same values: summed as integer microseconds, exact whatever
-        the order of the sum)."""
-        mine = torch.tensor([round(1e6 * compute_s), round(1e6 * exchange_s)], dtype=torch.int64)
-        total = synchronize(grouped_allreduce_async([mine], op=Sum, name=self._ls_name + ".times"))[0]
-        compute_s, exchange_s = (1e-6 * int(t) / global_process_set.size() for t in total)
-        self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
-        every, reason = self._ls_rule.observe(compute_s, exchange_s)
-        if every != self._ls.every:
-            log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
-            timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)
-        self._ls.every, self.local_steps_reason = every, reason
-        self._ls_period_start = time.perf_counter()
+        step, seconds of the exchange), gathered from every rank as integer microseconds (one
+        all-gather: every rank decides from the same values): the slowest rank's compute, the
+        fastest rank's exchange (the others' also holds their wait for a slower cluster) plus the
+        last gather's time. A period not timed from its start on some rank (the first one, or
+        after a load) decides nothing."""
+        t0 = time.perf_counter()
+        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._ls_gather_s)),
+                              int(self._ls_timed)]], dtype=torch.int64)
+        rows = allgather(mine, name=self._ls_name + ".times")
+        self._ls_gather_s = time.perf_counter() - t0
+        if bool((rows[:, 2] == 1).all()):
+            self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
+            every, reason = self._ls_rule.observe(1e-6 * int(rows[:, 0].max()), 1e-6 * int(rows[:, 1].min()))
+            if every != self._ls.every:
+                log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
+                timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)
+            self._ls.every, self.local_steps_reason = every, reason
+        self._ls_period_start, self._ls_timed = time.perf_counter(), True
 
     def _outer_update(self, name, anchor, avg):
         """The outer optimizer: the new anchor from the old one and the mean pseudo-gradient."""
@@ -433,7 +440,15 @@ class LocalStepsMixin:
             self._ls.load_state_dict(saved, self._ls_named)
         else:   # a checkpoint without local steps: a new period starts from the loaded parameters
             self._ls = LocalStepsState(self._ls.settings)
+        self._ls_after_load()
         return super().load_state_dict(state_dict)
+
+    def _ls_after_load(self):
+        """After a load: without the adjuster the user's ``every`` holds (not the checkpoint's);
+        the period in progress is not timed from its start."""
+        if self._ls_rule is None:
+            self._ls.every = self._ls.settings.every
+        self._ls_period_start = None
 
     def _stella_sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state on every rank (the
@@ -442,3 +457,4 @@ class LocalStepsMixin:
             self._ls_channel.drop()
         mine = self._ls.state_dict() if rank() == root_rank else None
         self._ls.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"), self._ls_named)
+        self._ls_after_load()

@@ -27,7 +27,7 @@ def test_nothing_fits_the_longest_period_and_says_so():
 
 
 def test_a_faster_link_lowers_h_only_after_two_decisions_and_within_the_dead_band():
-    r = rule(every=16)
+    r = rule(every=16, window=1)
     assert r.observe(0.010, 0.030)[0] == 16          # fits (ratio 0.94): steady
     assert r.observe(0.010, 0.0035)[0] == 16         # 4 fits within 1 - 0.25 (0.44) ... once
     every, reason = r.observe(0.010, 0.0035)
@@ -39,9 +39,20 @@ def test_a_faster_link_lowers_h_only_after_two_decisions_and_within_the_dead_ban
 
 
 def test_a_current_h_off_the_ladder_is_kept_while_it_fits():
-    r = rule(every=3)
+    r = rule(every=3, window=1)
     assert r.observe(0.010, 0.006)[0] == 3           # ratio 1.0 at H=3
     assert r.observe(0.010, 0.020)[0] == 16          # over: H >= 10 fits, the ladder's 16
+    r = rule(every=100)
+    assert r.observe(0.010, 10.0)[0] == 100          # nothing fits: never lower than it is
+
+
+def test_the_medians_of_the_last_window_exchanges_decide():
+    r = rule(every=1)                                # window 3 (the default)
+    assert r.observe(0.010, 0.001)[0] == 1
+    assert r.observe(0.010, 0.001)[0] == 1
+    assert r.observe(0.010, 0.500)[0] == 1           # one slow exchange (a pause): the median is 1 ms
+    every, reason = r.observe(0.010, 0.500)          # two of three: the link is slow now
+    assert every == 64 and "exchange 500.0 ms" in reason
 
 
 def test_the_ladder_is_validated():
