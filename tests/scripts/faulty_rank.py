@@ -24,31 +24,32 @@ if mode == "stop_at_exit":
         os.kill(os.getpid(), signal.SIGSTOP)   # frozen: the others' MPI_Finalize waits for it
     print("rank %d reached the end" % hvd.rank(), flush=True)
     raise SystemExit(0)
+
+
+def reduce_tampered(tamper, comp, name):
+    """Rank 1 passes what it sends through ``tamper``; every rank reduces 5 times, and must
+    never get past it."""
+    if hvd.rank() == 1:
+        hvd.global_process_set.hierarchy.tamper = tamper
+    for step in range(5):
+        hvd.allreduce(torch.randn(10000), compression=comp, name=name)
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
+
+
 if mode == "corrupt":
     def flip_index_bytes(payload):
         bad = payload.clone()
         bad[32:40] = 255          # the first indices now point far outside the tensor
         return bad
-    if hvd.rank() == 1:
-        hvd.global_process_set.hierarchy.tamper = flip_index_bytes
-    comp = hvd.Compression.topk(density=0.05)
-    for step in range(5):
-        hvd.allreduce(torch.randn(10000), compression=comp, name="sparse.grad")
-    print("rank %d finished without noticing the failure" % hvd.rank())
-    raise SystemExit(0)
+    reduce_tampered(flip_index_bytes, hvd.Compression.topk(density=0.05), "sparse.grad")
 if mode == "corrupt_thc_scale":
     # rank 1 sends a NaN block maximum in the scale round: no rank may quantize with it
     def nan_scales(agreed):
         bad = agreed.copy()
         bad[:-1] = float("nan")   # the block maxima; the NaN flag (last) stays as it was
         return bad
-    if hvd.rank() == 1:
-        hvd.global_process_set.hierarchy.tamper = nan_scales
-    comp = hvd.Compression.thc(bits=4)
-    for step in range(5):
-        hvd.allreduce(torch.randn(10000), compression=comp, name="thc.grad")
-    print("rank %d finished without noticing the failure" % hvd.rank())
-    raise SystemExit(0)
+    reduce_tampered(nan_scales, hvd.Compression.thc(bits=4), "thc.grad")
 if mode in ("failing_op", "failing_op_all"):
     # the third allreduce fails inside the collective thread (as a broken transport would), on
     # rank 1 alone or on every rank (``failing_op_all``): a caller must get an error, never its
