@@ -122,7 +122,7 @@ def main():
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--overlap", action="store_true", help="local:H / diloco:H: LocalSteps(overlap=True)")
+    p.add_argument("--overlap", action="store_true", help="local:H / diloco:H / localadapt: LocalSteps(overlap=True)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
     p.add_argument("--thc-bits", type=int, nargs="*", default=[],
                    help="adapt modes: THC rungs the adjuster may choose besides the densities (hvd.Adjuster(thc_bits=))")
@@ -170,7 +170,7 @@ def main():
                                          overlap=args.overlap)
         adjuster = None
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
-            local_steps = hvd.LocalSteps(every=1)
+            local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)
             adjuster = hvd.Adjuster(objective="step_time", target=args.target)
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)

@@ -11,7 +11,11 @@ Measured at each exchange by every rank and gathered (one small all-gather; the 
                 the one that arrived last and so waited for the wire, not for a slower cluster
 
 The rule takes the medians of the last ``Adjuster.window`` exchanges (one noisy period, a pause
-of the training loop, does not move H alone).
+of the training loop, does not move H alone). With ``LocalSteps(overlap=True)`` the exchange runs
+during the next period's H steps and only what is left of it blocks: its wire time ``wire_s``
+(launch to arrival, the arrival polled once per local step; the fastest rank's) counts as
+``max(0, wire_s - H * compute_s)``, and ``exchange_s`` is then what the boundary costs besides
+(the update, the gather inside the cluster, the launch).
 
 The step-time objective, as for densities: the exchange amortized over H steps may add at most
 ``(target - 1)`` times compute to a step, and the smallest H that fits is chosen (the clusters
@@ -19,6 +23,7 @@ meet as often as the budget allows: with every=1 and no compression local steps 
 training)::
 
     ratio(H) = (exchange_s / H) / ((target - 1) * compute_s)        fits when <= 1
+    (overlap: exchange_s + max(0, wire_s - H * compute_s) in place of exchange_s)
 
 Hysteresis (``Adjuster.hysteresis`` h): stay while the current H fits within ``1 + h``; move to a
 smaller H only to one that fits within ``1 - h`` in two decisions running; when the current H no
@@ -36,19 +41,22 @@ class LocalStepsRule:
     settings: object          # AdjusterSettings: target, hysteresis, window, local_steps (the ladder)
     every: int                # the current H
     _smaller: list = field(default_factory=list)   # the smaller H that fitted in the last decisions
-    _recent: list = field(default_factory=list)    # (compute_s, exchange_s) of the last exchanges
+    _recent: list = field(default_factory=list)    # (compute_s, exchange_s, wire_s) of the last exchanges
 
-    def ratio(self, compute_s, exchange_s, every):
+    def ratio(self, compute_s, exchange_s, every, wire_s=None):
         allowed = max((self.settings.target - 1.0) * compute_s, 1e-9)
-        return exchange_s / every / allowed
+        blocked = exchange_s + (max(0.0, wire_s - every * compute_s) if wire_s is not None else 0.0)
+        return blocked / every / allowed
 
-    def observe(self, compute_s, exchange_s):
-        """One exchange's measurements; returns (H for the next period, reason)."""
-        self._recent = (self._recent + [(compute_s, exchange_s)])[-int(self.settings.window):]
-        compute_s = _median([c for c, _ in self._recent])
-        exchange_s = _median([x for _, x in self._recent])
+    def observe(self, compute_s, exchange_s, wire_s=None):
+        """One exchange's measurements (``wire_s``: with overlap only); returns (H for the next
+        period, reason)."""
+        self._recent = (self._recent + [(compute_s, exchange_s, wire_s)])[-int(self.settings.window):]
+        compute_s = _median([c for c, _, _ in self._recent])
+        exchange_s = _median([x for _, x, _ in self._recent])
+        wire_s = None if wire_s is None else _median([w for _, _, w in self._recent if w is not None])
         ladder, h, cur = self.settings.local_steps, self.settings.hysteresis, self.every
-        fits = {H: self.ratio(compute_s, exchange_s, H) for H in ladder + (cur,)}
+        fits = {H: self.ratio(compute_s, exchange_s, H, wire_s) for H in ladder + (cur,)}
         if fits[cur] <= 1.0 + h:
             smaller = min([H for H in ladder if H < cur and fits[H] <= 1.0 - h], default=cur)
             self._smaller = (self._smaller + [smaller])[-2:] if smaller < cur else []
@@ -63,9 +71,10 @@ class LocalStepsRule:
             reason = "the exchange exceeds the budget" if fitting else \
                 "even the longest period on the ladder cannot hide the exchange"
         self.every = new
-        return new, "%s: compute %.1f ms per step, exchange %.1f ms, H=%d: step %.2fx compute (target %.2fx)" % (
-            reason, 1e3 * compute_s, 1e3 * exchange_s, new, 1.0 + exchange_s / new / max(compute_s, 1e-9),
-            self.settings.target)
+        return new, "%s: compute %.1f ms per step, exchange %.1f ms%s, H=%d: step %.2fx compute (target %.2fx)" % (
+            reason, 1e3 * compute_s, 1e3 * exchange_s, "" if wire_s is None else " (wire %.1f ms, overlapped)" %
+            (1e3 * wire_s), new, 1.0 + (self.settings.target - 1.0) * fits.get(new, self.ratio(
+                compute_s, exchange_s, new, wire_s)), self.settings.target)
 
 
 def _median(xs):

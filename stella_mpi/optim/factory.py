@@ -157,9 +157,6 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
         if adjuster.allow_accumulation or adjuster.batch_split:   # (thc_bits needs the time-to-loss objective)
             raise ValueError("%s: the adjuster's allow_accumulation and batch_split apply to the gradient route; "
                              "with local steps it chooses H from Adjuster(local_steps=...)" % what)
-        if local_steps.overlap:
-            raise ValueError("%s: the adjuster does not choose H with overlap=True (the hidden exchange's cost is "
-                             "a wait that is not measured yet); use overlap=False" % what)
     if local_steps.overlap and compression is not Compression.none:
         raise ValueError("%s: overlap=True sends the pseudo-gradient over its own communicator, outside the "
                          "collective thread, uncompressed; pass compression=hvd.Compression.none (or overlap=False "

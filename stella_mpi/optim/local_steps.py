@@ -51,8 +51,9 @@ inside the cluster. It takes compression none (float32; float64 parameters go as
 The CPU engine is refused: it keeps its master copy and optimizer state in shards spread over
 the ranks of all clusters, which a cluster-local step cannot update alone.
 
-With ``adjuster=hvd.Adjuster(objective="step_time")`` H is chosen at each exchange (not with
-``overlap``) from the period's compute and exchange times gathered from all ranks
+With ``adjuster=hvd.Adjuster(objective="step_time")`` H is chosen at each exchange from the
+period's compute and exchange times (with ``overlap``, also the exchange's wire time, its
+arrival polled once per local step) gathered from all ranks
 (adjust/local_steps_rule.py) and applies from the next period, on every rank alike.
 """
 import itertools
@@ -170,6 +171,7 @@ class OuterChannel:
         self.uniform = topo.uniform_clusters
         self.weight = topo.cluster_size / self.pset.size()
         self.pending = None
+        self.launched = self.arrived = self.last = None   # perf_counter times, for the adjuster
         self.closed = False
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise ValueError("hvd.LocalSteps(overlap=True) waits on MPI from the training thread while the collective "
@@ -223,6 +225,15 @@ class OuterChannel:
         if self.comm is not None:
             self.pset.hierarchy.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1)
         self.pending = (req, send, recv, counts, delta, ready_at)
+        self.launched, self.arrived = time.perf_counter(), None
+
+    def poll(self):
+        """Note when the exchange in flight has arrived (checked once per local step: the
+        adjuster's measure of its wire time). Touches no other rank."""
+        if self.pending is not None and self.arrived is None:
+            req, ready_at = self.pending[0], self.pending[5]
+            if (req is None or req.Test()) and time.monotonic() >= ready_at:
+                self.arrived = time.perf_counter()
 
     def wait(self):
         """The mean pseudo-gradient of the exchange in flight (flat, on every rank), and the
@@ -234,6 +245,9 @@ class OuterChannel:
         left = ready_at - time.monotonic()
         if left > 0:
             time.sleep(left)
+        if self.arrived is None:
+            self.arrived = time.perf_counter()
+        self.last = (self.launched, self.arrived)   # the exchange now applied: (launched, arrived)
         topo = self.pset.topology
         cluster = cluster_process_set()
         if topo.cluster_size == 1:
@@ -300,9 +314,19 @@ class LocalStepsMixin:
         loss = super().step(closure)
         self._ls_in_sync = False
         self._ls.local_steps += 1
+        if self._ls_channel is not None and self._ls_rule is not None:
+            self._ls_channel.poll()
         if self._ls.local_steps >= self._ls.every:
             if self._ls_channel is not None:
+                started = time.perf_counter()
+                compute_s = (started - self._ls_period_start) / self._ls.local_steps
+                self._ls_channel.last = None
                 self._overlapped_outer_step()
+                if self._ls_rule is not None:
+                    last = self._ls_channel.last   # None at the first boundary: nothing was in flight
+                    exposed = max(0.0, last[1] - started) if last else 0.0   # the wait for the wire
+                    self._choose_every(compute_s, time.perf_counter() - started - exposed,
+                                       last[1] - last[0] if last else None)
             else:
                 started = time.perf_counter()
                 compute_s = (started - self._ls_period_start) / self._ls.local_steps
@@ -317,21 +341,25 @@ class LocalStepsMixin:
         if self._ls_period_start is not None:
             self._ls_period_start += seconds
 
-    def _choose_every(self, compute_s, exchange_s):
+    def _choose_every(self, compute_s, exchange_s, wire_s=None):
         """The adjuster's H for the next period, from this period's times (seconds per local
-        step, seconds of the exchange), gathered from every rank as integer microseconds (one
-        all-gather: every rank decides from the same values): the slowest rank's compute, the
-        fastest rank's exchange (the others' also holds their wait for a slower cluster) plus the
-        last gather's time. A period not timed from its start on some rank (the first one, or
-        after a load) decides nothing."""
+        step; seconds the exchange blocked the step; with overlap, the seconds from the launch
+        of the exchange just applied to its arrival), gathered from every rank as integer
+        microseconds (one all-gather: every rank decides from the same values): the slowest
+        rank's compute, the fastest rank's exchange (the others' also holds their wait for a
+        slower cluster) plus the last gather's time, and wire time. A period not timed from its
+        start on some rank (the first one, or after a load), or with nothing in flight, decides
+        nothing."""
         t0 = time.perf_counter()
+        measured = self._ls_timed and (wire_s is not None or self._ls_channel is None)
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._ls_gather_s)),
-                              int(self._ls_timed)]], dtype=torch.int64)
+                              round(1e6 * (wire_s or 0.0)), int(measured)]], dtype=torch.int64)
         rows = allgather(mine, name=self._ls_name + ".times")
         self._ls_gather_s = time.perf_counter() - t0
-        if bool((rows[:, 2] == 1).all()):
+        if bool((rows[:, 3] == 1).all()):
             self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
-            every, reason = self._ls_rule.observe(1e-6 * int(rows[:, 0].max()), 1e-6 * int(rows[:, 1].min()))
+            every, reason = self._ls_rule.observe(1e-6 * int(rows[:, 0].max()), 1e-6 * int(rows[:, 1].min()),
+                                                  1e-6 * int(rows[:, 2].min()) if self._ls_channel else None)
             if every != self._ls.every:
                 log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
                 timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)
@@ -401,6 +429,7 @@ class LocalStepsMixin:
         self._apply_pending(no_progress=True)
         self._ls.local_steps = 0
         self._ls_in_sync = True
+        self._ls_period_start = None   # the next period starts at the next step (its first untimed)
 
     def consensus_parameters(self):
         """{name: tensor}: the anchor, the parameters the clusters last agreed on (the same on

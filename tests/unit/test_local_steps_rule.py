@@ -60,3 +60,13 @@ def test_the_ladder_is_validated():
         with pytest.raises(ValueError, match="local_steps must be distinct integers >= 1"):
             Adjuster(local_steps=bad)
     assert Adjuster(local_steps=[8, 1, 2]).local_steps == (1, 2, 8)
+
+
+def test_with_overlap_only_what_the_period_does_not_hide_counts():
+    # 10 ms per step, 2 ms allowed; the boundary costs 1 ms besides, the wire 100 ms: 16 steps
+    # (160 ms) hide the wire, 8 (80 ms) leave 20 ms to wait for; blocking, the same exchange needs 64
+    r = rule()
+    every, reason = r.observe(0.010, 0.001, 0.100)
+    assert every == 16 and "(wire 100.0 ms, overlapped)" in reason
+    assert rule().observe(0.010, 0.101)[0] == 64
+    assert rule().observe(0.010, 0.001, 0.001)[0] == 1   # a fast wire: every step
