@@ -300,8 +300,9 @@ class ElasticDriver:
         (stopped, killed: then that rank's host failed). The clusters that go on are joined to
         each other (no pair of them cut apart): of those sets, the largest (in ranks of hosts
         discovery still lists, then in ranks; a tie goes to the set with rank 0), and the hosts
-        of the others (those discovery still lists) are left out for CUT_RETRY_S, doubling per cut of the same cluster up to CUT_RETRY_MAX_S
-        (or a random time within --blacklist-cooldown-range when given): then they rejoin at the
+        of the others (those discovery still lists) are left out for CUT_RETRY_S, doubling per
+        cut of the same cluster up to CUT_RETRY_MAX_S (or a random time within
+        --blacklist-cooldown-range when given): then they rejoin at the
         survivors' next commit, and if the link is still down the start-up's deadline cuts
         them off again. One stalled rank in a cluster of several is not a cut (the others
         answer): its host fails as before. ``listed``: the hosts discovery lists now. Returns the

@@ -34,6 +34,8 @@ the time-to-loss objective is refused with local steps.
 """
 from dataclasses import dataclass, field
 
+from .controller import _median
+
 
 @dataclass
 class LocalStepsRule:
@@ -75,9 +77,3 @@ class LocalStepsRule:
             reason, 1e3 * compute_s, 1e3 * exchange_s, "" if wire_s is None else " (wire %.1f ms, overlapped)" %
             (1e3 * wire_s), new, 1.0 + (self.settings.target - 1.0) * fits.get(new, self.ratio(
                 compute_s, exchange_s, new, wire_s)), self.settings.target)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])

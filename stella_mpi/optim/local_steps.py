@@ -317,9 +317,9 @@ class LocalStepsMixin:
         if self._ls_channel is not None and self._ls_rule is not None:
             self._ls_channel.poll()
         if self._ls.local_steps >= self._ls.every:
+            started = time.perf_counter()
+            compute_s = (started - self._ls_period_start) / self._ls.local_steps
             if self._ls_channel is not None:
-                started = time.perf_counter()
-                compute_s = (started - self._ls_period_start) / self._ls.local_steps
                 self._ls_channel.last = None
                 self._overlapped_outer_step()
                 if self._ls_rule is not None:
@@ -328,8 +328,6 @@ class LocalStepsMixin:
                     self._choose_every(compute_s, time.perf_counter() - started - exposed,
                                        last[1] - last[0] if last else None)
             else:
-                started = time.perf_counter()
-                compute_s = (started - self._ls_period_start) / self._ls.local_steps
                 self._outer_step()
                 if self._ls_rule is not None:
                     self._choose_every(compute_s, time.perf_counter() - started)
