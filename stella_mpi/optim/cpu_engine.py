@@ -47,7 +47,7 @@ from ..base import timeline
 from ..base.devices import one_device, route_for
 from ..base.errors import HorovodInternalError, NonFiniteGradientError
 from ..comm.buffers import split_counts
-from ..comm.sparse_exchange import sparse_reduce
+from ..comm.sparse_exchange import dense_rung, residual_key, sparse_reduce
 from ..compression import Memory
 from ..core import state
 from ..core.collective_thread import Op
@@ -118,12 +118,15 @@ def execute_cpu_update(pset, desc, inputs, joined):
     clock = time.perf_counter
     t0 = clock()
     shard, _ = hier.cluster_shard(grad, "sum", counts)
-    if hier.topo.num_clusters > 1 and comp is not None:
+    if hier.topo.num_clusters > 1 and comp is not None and comp.density < 1.0:
         merged = sparse_reduce(hier, shard, comp, memory if comp.error_feedback else None, desc["name"], step,
                                desc["seed"], hier.comms.shard, "shard")
         idx, val = merged.indices, merged.values.mul_(1.0 / size)
     else:
-        if hier.topo.num_clusters > 1:
+        if hier.topo.num_clusters > 1 and comp is not None:   # density 1 (the adjuster's top rung): no indices
+            dense_rung(hier, shard, comp, memory if comp.error_feedback else None,
+                       residual_key(desc["name"], "shard", hier.topo), hier.comms.shard)
+        elif hier.topo.num_clusters > 1:
             hier.cross_reduce(shard, "sum", hier.comms.shard)
         idx = torch.arange(shard.numel(), dtype=torch.int32)
         val = shard.mul(1.0 / size)

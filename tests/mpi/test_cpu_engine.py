@@ -112,6 +112,24 @@ def test_sparse_compression_and_identical_ranks():
     assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
 
 
+def test_density_one_crosses_the_clusters_as_the_dense_sum():
+    """Density 1 (the adjuster's top rung, or the user's): the shard crosses as a dense sum, with
+    no selection and no indices: torch's result, and the bytes of no compression."""
+    _skip_uneven()
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: nothing crosses")
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    sent = {}
+    for name, comp in (("none", hvd.Compression.none), ("cacheaware 1.0", hvd.Compression.cacheaware(density=1.0)),
+                       ("topk 1.0", hvd.Compression.topk(density=1.0))):
+        _against_torch(make, compression=comp)
+        last = hvd.stats()["last_step"]
+        sent[name] = (last["wan_bytes_sent"], last.get("entries_sent", 0))
+    assert sent["cacheaware 1.0"] == sent["none"] == sent["topk 1.0"] and sent["none"][0] > 0, sent
+
+
 def test_state_dict_round_trip():
     _skip_uneven()
 
