@@ -15,7 +15,8 @@ route at that fixed density), "adapt" (hvd.Adjuster between --min-density and --
 "local8+sparse" (local steps with 1 % sparse pseudo-gradients), "thc4" / "thc2" (Compression.thc at 4
 or 2 bits on every step), "local8+thc" (local steps, 4-bit THC pseudo-gradients) and "local8+overlap" /
 "diloco8+overlap" (the exchange hidden behind the next period, LocalSteps(overlap=True)), "localadapt" (model
-averaging with H chosen by the adjuster, step-time objective, --target) and "localadapt+overlap". The sparse modes use
+averaging with H chosen by the adjuster, step-time objective, --target), "localadapt+overlap" and "localadapt+thc" (H
+chosen, 4-bit THC pseudo-gradients). The sparse modes use
 --compressor (cache-aware by default) with error feedback. --preset 13 (the default) runs issue
 13's set, --preset 14 issue 14's.
 
@@ -58,6 +59,7 @@ MODES = {
     "diloco8+overlap": ["--mode", "diloco:8", "--overlap"],
     "localadapt": ["--mode", "localadapt"],
     "localadapt+overlap": ["--mode", "localadapt", "--overlap"],
+    "localadapt+thc": ["--mode", "localadapt:thc", "--bits", "4"],
 }
 PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers
     "13": ("ddp", "dense") + FIXED + ("adapt",),
