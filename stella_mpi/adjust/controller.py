@@ -130,6 +130,29 @@ def _median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+def budget_move(fits, cur, pending, hysteresis):
+    """The step-time objective's move along a ladder ordered from the most conservative setting
+    to the most faithful (highest density; shortest period), with hysteresis h: stay while the
+    current position fits within ``1 + h``; go up only to the highest position that fits within
+    ``1 - h``, when two decisions running allow it (to the lower of the two); when the current
+    position no longer fits, drop at once to the highest that fits (position 0 when none does).
+
+    ``fits``: each position's ratio (<= 1: within the budget); ``pending``: the caller's list of
+    up-candidates, updated in place. Returns (new position, what happened: "up", "steady",
+    "down" or "none fits")."""
+    h = hysteresis
+    if fits[cur] <= 1.0 + h:
+        up = max([i for i in range(cur + 1, len(fits)) if fits[i] <= 1.0 - h], default=cur)
+        pending[:] = (pending + [up])[-2:] if up > cur else []
+        new = min(pending) if len(pending) == 2 else cur
+        if new > cur:
+            pending[:] = []
+        return new, "up" if new > cur else "steady"
+    pending[:] = []
+    fitting = [i for i in range(len(fits)) if fits[i] <= 1.0]
+    return (max(fitting), "down") if fitting else (0, "none fits")
+
+
 def sample_from_rows(rows, overlap):
     """One window's telemetry of all ranks (rows of ROW_FIELDS) -> a dict of aggregates, or
     None when there was no cross-cluster traffic to learn from."""
@@ -387,23 +410,14 @@ class Controller:
         self.history = (self.history + [sample])[-max(int(s.window), HISTORY):]
         est = self.estimate()
         cur = self._rung()
-        h = s.hysteresis
-        fits = [self._ratio(est, i) for i in range(len(self.rungs))] if s.objective == "step_time" else None
-        if fits is None:
-            new, reason = self._choose_by_score(est, cur)
-        elif fits[cur] <= 1.0 + h:
-            up = max([i for i in range(cur + 1, len(self.rungs)) if fits[i] <= 1.0 - h], default=cur)
+        if s.objective == "step_time":
             # up only when two windows in a row allow it (a stall costs more than a lower density)
-            self._up_candidates = (self._up_candidates + [up])[-2:] if up > cur else []
-            new = min(self._up_candidates) if len(self._up_candidates) == 2 else cur
-            if new > cur:
-                self._up_candidates = []
-            reason = "bandwidth allows more" if new > cur else "steady"
+            new, moved = budget_move([self._ratio(est, i) for i in range(len(self.rungs))], cur,
+                                     self._up_candidates, s.hysteresis)
+            reason = {"up": "bandwidth allows more", "steady": "steady", "down": "communication exceeds the budget",
+                      "none fits": "even the most conservative setting cannot hide communication"}[moved]
         else:
-            self._up_candidates = []
-            new = max([i for i in range(len(self.rungs)) if fits[i] <= 1.0], default=0)
-            reason = "communication exceeds the budget" if new > 0 or fits[0] <= 1.0 else \
-                "even the most conservative setting cannot hide communication"
+            new, reason = self._choose_by_score(est, cur)
         p, d, b = self.rungs[new]
         predicted = self.predict(est, p, d, b)
         why = "%s: link %.0f Mbit/s, compute %.0f ms, predicted step %.0f ms (%.2fx compute, %s)" % (

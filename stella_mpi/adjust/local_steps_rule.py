@@ -34,7 +34,7 @@ the time-to-loss objective is refused with local steps.
 """
 from dataclasses import dataclass, field
 
-from .controller import _median
+from .controller import _median, budget_move
 
 
 @dataclass
@@ -57,21 +57,17 @@ class LocalStepsRule:
         compute_s = _median([c for c, _, _ in self._recent])
         exchange_s = _median([x for _, x, _ in self._recent])
         wire_s = None if wire_s is None else _median([w for _, _, w in self._recent if w is not None])
-        ladder, h, cur = self.settings.local_steps, self.settings.hysteresis, self.every
-        fits = {H: self.ratio(compute_s, exchange_s, H, wire_s) for H in ladder + (cur,)}
-        if fits[cur] <= 1.0 + h:
-            smaller = min([H for H in ladder if H < cur and fits[H] <= 1.0 - h], default=cur)
-            self._smaller = (self._smaller + [smaller])[-2:] if smaller < cur else []
-            new = max(self._smaller) if len(self._smaller) == 2 else cur
-            if new < cur:
-                self._smaller = []
-            reason = "the link allows more frequent exchanges" if new < cur else "steady"
-        else:
-            self._smaller = []
-            fitting = [H for H in ladder if fits[H] <= 1.0]
-            new = min(fitting) if fitting else max(ladder[-1], cur)
-            reason = "the exchange exceeds the budget" if fitting else \
-                "even the longest period on the ladder cannot hide the exchange"
+        cur = self.every
+        # the ladder from the most conservative (the longest period) to the most faithful, the
+        # current H in it even when it is off the ladder (kept while it fits)
+        order = sorted(set(self.settings.local_steps + (cur,)), reverse=True)
+        fits = {H: self.ratio(compute_s, exchange_s, H, wire_s) for H in order}
+        i, moved = budget_move([fits[H] for H in order], order.index(cur), self._smaller,
+                               self.settings.hysteresis)
+        new = order[i]
+        reason = {"up": "the link allows more frequent exchanges", "steady": "steady",
+                  "down": "the exchange exceeds the budget",
+                  "none fits": "even the longest period on the ladder cannot hide the exchange"}[moved]
         self.every = new
         return new, "%s: compute %.1f ms per step, exchange %.1f ms%s, H=%d: step %.2fx compute (target %.2fx)" % (
             reason, 1e3 * compute_s, 1e3 * exchange_s, "" if wire_s is None else " (wire %.1f ms, overlapped)" %
