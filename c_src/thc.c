@@ -54,6 +54,10 @@ static inline void fwht8(float *x) {
  * of each level are the textbook ones (a + b, a - b); the first three levels run on 8 entries
  * at a time, the later ones on contiguous runs the compiler vectorizes. */
 static void fwht(float *restrict x, int64_t len, float norm) {
+    /* normalized first: a sum of 2^k entries then stays within sqrt(len) times the largest
+     * input, so a result that fits in float32 is not lost to an overflow on the way (with len a
+     * power of four the norm is a power of two and the bits are those of normalizing last) */
+    for (int64_t j = 0; j < len; j++) x[j] *= norm;
     int64_t h = 1;
     if (len >= 8) {
         for (int64_t i = 0; i < len; i += 8) fwht8(x + i);
@@ -68,7 +72,6 @@ static void fwht(float *restrict x, int64_t len, float norm) {
                 hi[j] = a - b;
             }
         }
-    for (int64_t j = 0; j < len; j++) x[j] *= norm;
 }
 
 int stella_thc_rotate(float *x, int64_t n, int block_log2, uint64_t key, int inverse) {

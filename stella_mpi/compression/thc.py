@@ -152,8 +152,10 @@ class THCCompressor(Compressor):
         return out
 
     def skip_nonfinite(self, work, memory=None):
-        """A NaN or Inf on some cluster: nothing was sent, so acc stays in the residual, its
-        non-finite entries set to zero (they must not stay there forever)."""
+        """A NaN or Inf in some cluster's rotated values (an overflow: the executor refuses
+        non-finite inputs before THC runs): nothing was sent and every rank refuses the step, so,
+        as on the sparse route, no residual keeps this step's values: the residual stays what it
+        was (any non-finite entry zeroed, so none stays there forever)."""
         if memory is not None:
             res = memory.residual(work.ctx.name, work.acc.numel(), "cpu")
-            torch.where(torch.isfinite(work.acc), work.acc, torch.zeros_like(work.acc), out=res)
+            torch.where(torch.isfinite(res), res, torch.zeros_like(res), out=res)

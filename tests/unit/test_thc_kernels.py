@@ -330,20 +330,42 @@ def test_sizes_near_two_to_the_31():
         T.words_for(10, 33)
 
 
-def test_compressor_keeps_the_finite_part_when_a_cluster_has_nan():
-    """The compressor's side of a step some cluster refused: nothing was sent, so acc stays in
-    the residual with its NaN/Inf entries zeroed (they must not stay there forever)."""
+def test_a_refused_step_leaves_the_residual_as_it_was():
+    """The compressor's side of a step some cluster refused (its rotated values overflowed):
+    nothing was sent and every rank skips the step, so, as on the sparse route, the residual
+    keeps none of this step's values; a non-finite entry in it is zeroed (none stays forever)."""
     from stella_mpi.compression import Memory, TensorContext, THCCompressor
     comp, mem = THCCompressor(bits=4), Memory()
     ctx = TensorContext(name="w", step=0, shape=(2048,))
     mem.residual("w", 2048).fill_(0.5)
+    mem.get("w")[5] = float("inf")
     x = torch.ones(2048)
     x[3], x[9] = float("nan"), float("inf")
     work = comp.begin(x, ctx, mem)
     assert work.nonfinite > 0
     comp.skip_nonfinite(work, mem)
     res = mem.get("w")
-    assert torch.isfinite(res).all() and res[3] == 0 and res[9] == 0 and res[0] == 1.5
+    assert torch.isfinite(res).all() and res[5] == 0 and res[3] == res[9] == res[0] == 0.5
+
+
+@pytest.mark.parametrize("m", [5, 10, 16])
+def test_rotation_of_values_near_the_float32_limit_does_not_overflow_on_the_way(m):
+    """A result that fits in float32 comes back finite: one entry of 3e38 spreads to
+    3e38/sqrt(2^m) in every entry of its block, and the inverse gathers it again (normalizing
+    after the butterflies overflowed there); two entries of 2e38 add up to a finite 4e38/sqrt(2^m)."""
+    b = 1 << m
+    x = torch.zeros(2 * b)
+    x[b + 3] = 3e38
+    y = x.clone()
+    T.rotate(y, m, key=11)
+    assert torch.isfinite(y).all() and float(y[b:].abs().max()) == pytest.approx(3e38 / np.sqrt(b), rel=1e-5)
+    T.rotate(y, m, key=11, inverse=True)
+    assert torch.isfinite(y).all()
+    np.testing.assert_allclose(y.numpy(), x.numpy(), rtol=1e-5, atol=3e38 * 1e-6)
+    two = torch.zeros(b)
+    two[0] = two[1] = 2e38
+    T.rotate(two, m, key=3)
+    assert torch.isfinite(two).all() and float(two.abs().max()) == pytest.approx(4e38 / np.sqrt(b), rel=1e-5)
 
 
 def test_compressor_settings_round_trip_and_refusals():
