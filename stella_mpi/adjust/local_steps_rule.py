@@ -13,7 +13,8 @@ Measured at each exchange by every rank and gathered (one small all-gather; the 
 The rule takes the medians of the last ``Adjuster.window`` exchanges (one noisy period, a pause
 of the training loop, does not move H alone). With ``LocalSteps(overlap=True)`` the exchange runs
 during the next period's H steps and only what is left of it blocks: its wire time ``wire_s``
-(launch to arrival, the arrival polled once per local step; the fastest rank's) counts as
+(launch to arrival, the arrival polled once per local step; the last shard's of a cluster, the
+earliest cluster's: :func:`period_times`) counts as
 ``max(0, wire_s - H * compute_s)``, and ``exchange_s`` is then what the boundary costs besides
 (the update, the gather inside the cluster, the launch).
 
@@ -27,7 +28,8 @@ training)::
 
 Hysteresis (``Adjuster.hysteresis`` h): stay while the current H fits within ``1 + h``; move to a
 smaller H only to one that fits within ``1 - h`` in two decisions running; when the current H no
-longer fits, move at once to the smallest H that fits (the largest on the ladder when none does).
+longer fits, move at once to the smallest H that fits (when none does: the largest on the ladder,
+or the current H if it is larger still).
 The ladder is ``Adjuster.local_steps``. A smaller H costs more exchanges; a larger one lets the
 clusters drift apart for longer, which this rule does not measure: the loss is not seen, so
 the time-to-loss objective is refused with local steps.
@@ -35,6 +37,23 @@ the time-to-loss objective is refused with local steps.
 from dataclasses import dataclass, field
 
 from .controller import _median, budget_move
+
+
+def period_times(rows):
+    """(compute_s, exchange_s, wire_s) of one period from every rank's gathered row (seconds:
+    compute per local step, exchange, wire; then the rank's cluster):
+
+    compute   the slowest rank's (the critical path);
+    exchange  the fastest rank's: the others' also holds their wait for a slower cluster, or
+              (with overlap) for a shard of their own cluster that arrived later;
+    wire      a cluster's exchange has arrived when its last shard has (the largest over its
+              ranks; a rank that sends no shard, off the leader in uneven clusters, measures next
+              to nothing), and the cluster that launched last waited least for the others (the
+              smallest over clusters)."""
+    by_cluster = {}
+    for r in rows:
+        by_cluster[int(r[3])] = max(by_cluster.get(int(r[3]), 0.0), float(r[2]))
+    return max(float(r[0]) for r in rows), min(float(r[1]) for r in rows), min(by_cluster.values())
 
 
 @dataclass

@@ -86,6 +86,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "Sum, no local_steps)")
     if momentum_correction and op == Adasum:
         raise ValueError("momentum_correction applies to the sparse route (op Average or Sum)")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
     if local_steps is not None:
         return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
@@ -100,10 +104,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         return make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, cpu_semantics,
                                          process_set, model, adjuster, staleness_warmup, stale_prediction,
                                          momentum_correction)
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
     if op == Adasum:
         if adjuster is not None:
             raise ValueError("op=hvd.Adasum combines whole deltas: it takes no adjuster")

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from ..adjust.local_steps_rule import LocalStepsRule
+from ..adjust.local_steps_rule import LocalStepsRule, period_times
 from ..api.allgather import allgather
 from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
 from ..api.broadcast import broadcast
@@ -73,7 +73,9 @@ from ..api.handles import synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average
 from ..base import timeline
+from ..base.errors import StellaTimeoutError
 from ..comm.buffers import mpi_view, split_counts
+from ..comm.deadline import end_on_timeout
 from ..comm.hierarchy import allreduce_bytes
 from ..core import state
 from ..core.collective_thread import Op
@@ -139,15 +141,28 @@ class LocalStepsState:
                 "anchor": {n: t.clone() for n, t in self.anchor.items()},
                 "momentum": {n: t.clone() for n, t in self.momentum.items()}}
 
-    def load_state_dict(self, sd, named):
-        """Load ``sd`` for the parameters ``named`` [(name, parameter)]: tensors moved to each
-        parameter's device and dtype (as torch's optimizers do), names checked."""
+    @staticmethod
+    def check(sd, named):
+        """Raise ValueError, naming what is wrong, unless ``sd`` fits the parameters ``named``."""
         params = dict(named)
         for what in ("anchor", "momentum"):
             unknown = sorted(set(sd[what]) - set(params))
             if unknown or (what == "anchor" and sd[what] and set(sd[what]) != set(params)):
                 raise ValueError("LocalSteps state: %s names %s, the optimizer's parameters are %s"
                                  % (what, unknown or sorted(sd[what]), sorted(params)))
+
+    def state_dict_on_host(self):
+        """The state with its tensors on the CPU (to send to ranks whose devices differ)."""
+        sd = self.state_dict()
+        for what in ("anchor", "momentum"):
+            sd[what] = {n: t.cpu() for n, t in sd[what].items()}
+        return sd
+
+    def load_state_dict(self, sd, named):
+        """Load ``sd`` for the parameters ``named`` [(name, parameter)]: tensors moved to each
+        parameter's device and dtype (as torch's optimizers do), names checked."""
+        self.check(sd, named)
+        params = dict(named)
         self.every = int(sd.get("every", self.settings.every))
         self.local_steps = int(sd["local_steps"])
         self.exchanges = int(sd["exchanges"])
@@ -235,13 +250,21 @@ class OuterChannel:
             if (req is None or req.Test()) and time.monotonic() >= ready_at:
                 self.arrived = time.perf_counter()
 
+    def _complete(self, req):
+        """Wait for ``req`` under the deadline. A timeout ends the job, as the collective thread's
+        do: the request is still live (its buffers must stay), and the other ranks wait on it."""
+        if req is not None:
+            try:
+                self.pset.deadline.wait(req, "overlapped outer exchange of local steps (%s)" % self.name)
+            except StellaTimeoutError as e:
+                end_on_timeout(e)
+
     def wait(self):
         """The mean pseudo-gradient of the exchange in flight (flat, on every rank), and the
         delta this rank sent. Collective inside each cluster (the gather or broadcast)."""
         req, send, recv, counts, delta, ready_at = self.pending
+        self._complete(req)
         self.pending = None
-        if req is not None:
-            self.pset.deadline.wait(req, "overlapped outer exchange of local steps (%s)" % self.name)
         left = ready_at - time.monotonic()
         if left > 0:
             time.sleep(left)
@@ -261,10 +284,8 @@ class OuterChannel:
         """Complete the exchange in flight and forget it (its period's progress goes into the
         next exchange). Touches no other rank: the exchange was launched everywhere."""
         if self.pending is not None:
-            req = self.pending[0]
+            self._complete(self.pending[0])
             self.pending = None
-            if req is not None:
-                self.pset.deadline.wait(req, "overlapped outer exchange of local steps (%s)" % self.name)
 
 
 def cluster_process_set():
@@ -314,7 +335,7 @@ class LocalStepsMixin:
         loss = super().step(closure)
         self._ls_in_sync = False
         self._ls.local_steps += 1
-        if self._ls_channel is not None and self._ls_rule is not None:
+        if self._ls_channel is not None:   # (also drives MPI's progress on the exchange in flight)
             self._ls_channel.poll()
         if self._ls.local_steps >= self._ls.every:
             started = time.perf_counter()
@@ -343,21 +364,23 @@ class LocalStepsMixin:
         """The adjuster's H for the next period, from this period's times (seconds per local
         step; seconds the exchange blocked the step; with overlap, the seconds from the launch
         of the exchange just applied to its arrival), gathered from every rank as integer
-        microseconds (one all-gather: every rank decides from the same values): the slowest
-        rank's compute, the fastest rank's exchange (the others' also holds their wait for a
-        slower cluster) plus the last gather's time, and wire time. A period not timed from its
+        microseconds with its cluster (one all-gather: every rank decides from the same values),
+        combined by :func:`..adjust.local_steps_rule.period_times`; the exchange includes the last
+        gather's time. A period not timed from its
         start on some rank (the first one, or after a load), or with nothing in flight, decides
         nothing."""
         t0 = time.perf_counter()
         measured = self._ls_timed and (wire_s is not None or self._ls_channel is None)
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._ls_gather_s)),
-                              round(1e6 * (wire_s or 0.0)), int(measured)]], dtype=torch.int64)
+                              round(1e6 * (wire_s or 0.0)), global_process_set.topology.cluster_id, int(measured)]],
+                            dtype=torch.int64)
         rows = allgather(mine, name=self._ls_name + ".times")
         self._ls_gather_s = time.perf_counter() - t0
-        if bool((rows[:, 3] == 1).all()):
+        if bool((rows[:, 4] == 1).all()):
             self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
-            every, reason = self._ls_rule.observe(1e-6 * int(rows[:, 0].max()), 1e-6 * int(rows[:, 1].min()),
-                                                  1e-6 * int(rows[:, 2].min()) if self._ls_channel else None)
+            compute, exchange, wire = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
+                                                    for r in rows.tolist()])
+            every, reason = self._ls_rule.observe(compute, exchange, wire if self._ls_channel else None)
             if every != self._ls.every:
                 log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
                 timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)
@@ -432,7 +455,7 @@ class LocalStepsMixin:
     def consensus_parameters(self):
         """{name: tensor}: the anchor, the parameters the clusters last agreed on (the same on
         every rank; for evaluating one model without an exchange)."""
-        return dict(self._ls.anchor)
+        return {n: t.clone() for n, t in self._ls.anchor.items()}
 
     def _outer_step(self):
         comp = self._ls_compression
@@ -458,17 +481,21 @@ class LocalStepsMixin:
         return out
 
     def load_state_dict(self, state_dict):
+        """Load a checkpoint: checked first (the user's optimizer's part by torch), so a refused
+        one leaves this optimizer as it was, exchange in flight included."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("stella_local_steps", None)
+        if saved is not None:
+            LocalStepsState.check(saved, self._ls_named)
+        out = super().load_state_dict(state_dict)
         if self._ls_channel is not None:
             self._ls_channel.drop()   # its period's progress goes into the next exchange
-            self._ls_in_sync = False
         if saved is not None:
             self._ls.load_state_dict(saved, self._ls_named)
         else:   # a checkpoint without local steps: a new period starts from the loaded parameters
             self._ls = LocalStepsState(self._ls.settings)
         self._ls_after_load()
-        return super().load_state_dict(state_dict)
+        return out
 
     def _ls_after_load(self):
         """After a load: without the adjuster the user's ``every`` holds (not the checkpoint's);
@@ -476,12 +503,13 @@ class LocalStepsMixin:
         if self._ls_rule is None:
             self._ls.every = self._ls.settings.every
         self._ls_period_start = None
+        self._ls_in_sync = False
 
     def _stella_sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state on every rank (the
         counters decide when the clusters meet, so they must agree)."""
         if self._ls_channel is not None:
             self._ls_channel.drop()
-        mine = self._ls.state_dict() if rank() == root_rank else None
+        mine = self._ls.state_dict_on_host() if rank() == root_rank else None
         self._ls.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"), self._ls_named)
         self._ls_after_load()

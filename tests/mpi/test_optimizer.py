@@ -1,6 +1,8 @@
 """DistributedOptimizer and the parameter/state helpers, against single-process references."""
 import warnings
 
+import copy
+
 import pytest
 import torch
 
@@ -339,6 +341,30 @@ def test_local_steps_state_follows_broadcast_optimizer_state():
     assert (opt._ls.local_steps, opt._ls.exchanges) == (2, 7)
     assert all(bool((t == 0.5).all()) for t in opt._ls.anchor.values())
     assert all(bool((t == 0.25).all()) for t in opt._ls.momentum.values())
+
+
+def test_local_steps_resume_after_sync_clusters_with_overlap():
+    """sync_clusters(), then rank 0 loads its checkpoint and broadcasts it (Horovod's resume
+    pattern): every rank forgets that it was in sync, so the next sync_clusters() runs on every
+    rank (rank 0 alone would wait for the others until the deadline), and the training goes on
+    with the clusters meeting at the same steps and one model after the last sync."""
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(), local_steps=hvd.LocalSteps(every=2, overlap=True)), 5)
+    opt.sync_clusters()
+    saved = copy.deepcopy(opt.state_dict())
+    if hvd.rank() == 0:
+        opt.load_state_dict(saved)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(5, 8):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.sync_clusters()
+    assert all(x == (opt._ls.exchanges, opt._ls.local_steps) for x in
+               hvd.allgather_object((opt._ls.exchanges, opt._ls.local_steps)))
+    _assert_same_everywhere(model)
 
 
 def test_local_steps_nesterov_matches_a_reference():

@@ -70,3 +70,16 @@ def test_with_overlap_only_what_the_period_does_not_hide_counts():
     assert every == 16 and "(wire 100.0 ms, overlapped)" in reason
     assert rule().observe(0.010, 0.101)[0] == 64
     assert rule().observe(0.010, 0.001, 0.001)[0] == 1   # a fast wire: every step
+
+
+def test_period_times_take_a_clusters_last_shard_and_the_earliest_cluster():
+    from stella_mpi.adjust.local_steps_rule import period_times
+    # rows: compute, exchange, wire (s), cluster
+    # uneven clusters 2+1: rank 1 sends no shard (its wire is next to nothing) and waits for its
+    # leader's wire inside the broadcast (its exchange is long): the leader's wire and exchange count
+    assert period_times([[0.010, 0.002, 0.100, 0], [0.011, 0.090, 0.001, 0], [0.010, 0.003, 0.100, 1]]) == \
+        (0.011, 0.002, 0.100)
+    # equal clusters: shard 1 arrives later than shard 0 in both clusters; cluster 1 launched
+    # later, so its ranks waited less for the other cluster
+    assert period_times([[0.010, 0.030, 0.050, 0], [0.010, 0.002, 0.080, 0],
+                         [0.012, 0.020, 0.040, 1], [0.012, 0.001, 0.070, 1]]) == (0.012, 0.001, 0.070)
