@@ -9,7 +9,7 @@ uint8. Results are torch tensors. The C calls release the GIL.
 import numpy as np
 import torch
 
-from . import check, ffi, lib
+from . import MalformedPayloadError, check, ffi, lib
 from .buffers import pointer
 
 MAX_NUMEL = int(lib.STELLA_SPARSE_MAX_N)
@@ -241,9 +241,17 @@ def decode_info(payload, n):
             "value_dtype": {v: k for k, v in VALUE_DTYPES.items()}[info.value_dtype], "key": info.key}
 
 
-def decode(payload, n, expected_key=0):
-    """Validate and decode an untrusted payload: (int32 indices ascending, float32 values)."""
+def decode(payload, n, expected_key=0, value_dtype=None, implicit=True):
+    """Validate and decode an untrusted payload: (int32 indices ascending, float32 values).
+    ``value_dtype``: the values must be of that dtype; ``implicit``: whether indices implied by
+    a random-k key are accepted (else only explicit indices)."""
     info = decode_info(payload, n)
+    if value_dtype is not None and info["value_dtype"] != value_dtype:
+        raise MalformedPayloadError("the payload's values are %s, the compressor sends %s"
+                                    % (info["value_dtype"], value_dtype))
+    if not implicit and info["scheme"] == "implicit":
+        raise MalformedPayloadError("the payload's indices are implied by a random-k key, and the compressor is not "
+                                    "random-k")
     p, length, _keep = _payload_ptr(payload)
     k = info["entries"]
     idx = torch.empty(k, dtype=torch.int32)

@@ -95,9 +95,12 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
     first, so both sides get the same bits) and keeps the k largest entries. Each rank sends
     log2(C) payloads of at most k entries instead of the C-1 of an all-gather. What a round
     drops goes into the residual of one rank (the lowest of the ranks that computed the same
-    merge), so error feedback sends it later (the residual lives on ``device``)."""
+    merge), so error feedback sends it later (the residual lives on ``device``). Every rank
+    keeps the same k (the compressor's for n: a selection's own length differs by rank for
+    threshold, or cache-aware's short tail block), and from the second round on rounds its merge
+    to the wire's value dtype before sending it, so that both partners merge the same values."""
     me, nranks = comm.Get_rank(), comm.Get_size()
-    k = max(len(sel), 1)
+    k = max(comp.k_for(n), 1)
     current = sel
     sent = received = 0
     t_exchange = t_decode = t_merge = 0.0
@@ -105,6 +108,9 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
     while r < nranks:
         partner = me ^ r
         t0 = time.perf_counter()
+        if r > 1:   # the r ranks that computed this merge round alike; the lowest keeps the error
+            keeps = memory is not None and me & (r - 1) == 0
+            current = comp.to_wire(current, memory.residual(key, n, device) if keeps else None)
         payload = comp.encode(current, ctx)
         theirs, s_bytes, r_bytes = _swap_payload(hier, comm, partner, payload, "sparse tree exchange of %r" % ctx.name)
         t1 = time.perf_counter()
@@ -190,7 +196,8 @@ def sparse_reduce(hier, buf, comp, memory, name, step, seed, comm, kind):
     timeline.record("SELECT", t0, t1, compressor=comp.name, density=comp.density, elements=buf.numel(),
                     entries=len(sel))
     hier.stats.add(select_s=t1 - t0, elements=buf.numel(), entries_sent=len(sel))
-    if choose_algorithm(hier.sparse_algorithm, comm.Get_size(), 8 * len(sel)) == "tree":
+    # (from the compressor's k, the same on every rank: a selection's own length may differ)
+    if choose_algorithm(hier.sparse_algorithm, comm.Get_size(), 8 * comp.k_for(buf.numel())) == "tree":
         merged = tree_reduce(hier, comm, sel, comp, ctx, memory, key, buf.numel(), kind, buf.device)
     else:
         merged = _allgather_reduce(hier, comm, sel, comp, ctx, buf.numel(), kind)

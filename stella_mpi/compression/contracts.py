@@ -235,6 +235,22 @@ class SparseCompressor(Compressor):
             residual.index_copy_(0, idx.long(), err)
         return q
 
+    def to_wire(self, sel, residual=None):
+        """``sel`` with its values as the wire carries them (16-bit values rounded, clamped to
+        the wire's range: what a peer decodes from :meth:`encode`); the rounding error is added
+        to ``residual`` (dense, of the tensor's numel) where given. Float32: ``sel`` itself."""
+        if self.value_dtype == "float32":
+            return sel
+        wire = _WIRE[self.value_dtype]
+        finfo = torch.finfo(wire)
+        val = sel.values
+        finite = torch.isfinite(val)
+        q = torch.where(finite, val.clamp(-finfo.max, finfo.max), val).to(wire).to(torch.float32)
+        if residual is not None:
+            residual.index_add_(0, sel.indices.long().to(residual.device),
+                                torch.where(finite, val - q, torch.zeros_like(val)).to(residual.device))
+        return Selection(sel.indices, q, sel.numel)
+
     def encode(self, sel, ctx):
         """Payload of a selection: 1-D torch.uint8, the smallest index scheme
         (16-bit offsets, block ids, values only for random-k and dense)."""
@@ -244,8 +260,11 @@ class SparseCompressor(Compressor):
 
     def decode(self, payload, ctx, numel):
         """Validate and decode a payload from a peer (MalformedPayloadError naming what is wrong)."""
-        idx, val = kernels.decode(payload, numel, self._expected_key(ctx, numel))
+        idx, val = kernels.decode(payload, numel, self._expected_key(ctx, numel), value_dtype=self.value_dtype,
+                                  implicit=self.implicit_indices)
         return Selection(idx, val, int(numel))
+
+    implicit_indices = False   # payloads whose indices a random-k key implies (random-k only)
 
     def _expected_key(self, ctx, numel):
         return 0

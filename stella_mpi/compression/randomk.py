@@ -8,6 +8,7 @@ class RandomKCompressor(SparseCompressor):
     """Random-k: the same k indices on every rank, a pure function of (seed,
     name, step, numel, k); the payload carries the values only."""
     name = "randomk"
+    implicit_indices = True
 
     def _key(self, ctx):
         return kernels.randomk_key(ctx.seed, ctx.name, ctx.step)

@@ -110,6 +110,27 @@ def test_randomk_same_indices_on_every_rank():
         a.decode(p, ctx("layer", 6, 50000, seed=99), 50000)
 
 
+def test_decode_refuses_a_payload_the_compressor_would_not_send():
+    """A peer's payload with other value dtype, or random-k's implied indices for a compressor
+    that is not random-k (a key of 0 included), is refused naming what is wrong; random-k
+    takes both its own implied indices and explicit ones (small tensors, tree rounds)."""
+    c = ctx("layer", 5, 50000, seed=99)
+    x = torch.randn(50000)
+    topk16 = Compression.topk(density=0.01, value_dtype="float16")
+    p = Compression.topk(density=0.01).encode(Compression.topk(density=0.01).select(x, c), c)
+    with pytest.raises(MalformedPayloadError, match="values are float32, the compressor sends float16"):
+        topk16.decode(p, c, 50000)
+    rk = Compression.randomk(density=0.01)
+    implied = rk.encode(rk.select(x, c), c)
+    assert len(rk.decode(implied, c, 50000)) == 500
+    assert len(rk.decode(p, c, 50000)) == 500                    # explicit indices
+    from stella_mpi._native import compress as kernels
+    zero_key = kernels.randomk_encode(0, torch.ones(500), 50000, "float32")
+    for name in ("topk", "cacheaware", "threshold"):
+        with pytest.raises(MalformedPayloadError, match="implied by a random-k key"):
+            getattr(Compression, name)(density=0.01).decode(zero_key, c, 50000)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(NAMES), st.sampled_from(["float32", "float16", "bfloat16"]),
        st.integers(0, 5000), st.sampled_from([1e-3, 0.01, 0.1, 0.5, 1.0]), st.integers(1, 4),

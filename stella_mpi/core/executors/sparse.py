@@ -45,11 +45,13 @@ def _sparse_allreduce(pset, desc, inputs):
         # the route across clusters: homomorphic quantization (summed on the wire) or selection
         step = thc_cross_step if getattr(comp, "homomorphic", False) else sparse_cross_step
         hier.reduce_across_clusters(buf, "sum", step(hier, comp, mem, desc["name"], desc["step"], desc["seed"], scale))
-        if step is thc_cross_step and pset.nonfinite_policy != "off" and has_nonfinite([buf]):
-            # every rank holds the same sum, so every rank refuses alike (an input that passed
-            # the check but overflowed in the rotation, beyond about 3e35 at the default block)
-            raise NonFiniteGradientError("%s: the THC sum over clusters is not finite (an entry overflowed); "
-                                         "refused on every rank" % desc["name"])
+        if pset.nonfinite_policy != "off" and has_nonfinite([buf]):
+            # every rank holds the same sum, so every rank refuses alike: inputs passed the check,
+            # so an entry overflowed (a sum beyond float32, a 16-bit value beyond its range), or a
+            # peer sent a value that is not finite
+            raise NonFiniteGradientError("%s: the %s sum over clusters is not finite (an entry overflowed, or a "
+                                         "peer sent a value that is not finite); refused on every rank"
+                                         % (desc["name"], "THC" if step is thc_cross_step else "sparse"))
     if not direct:
         unfuse(buf, outputs)
     hier.stats.add(engine_s=time.perf_counter() - started)
