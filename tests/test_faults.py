@@ -95,6 +95,16 @@ def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     assert "finished without noticing" not in out
 
 
+def test_an_oversized_payload_is_refused_unread_naming_the_sender():
+    proc, elapsed = _launch("oversized")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, elapsed
+    assert re.search(r"sparse exchange of 'sparse.grad#shard1': rank 1 announced a payload of \d+ bytes for a tensor "
+                     r"of 5000 elements \(a valid one has 32 to \d+\); refusing it unread", out), out[-3000:]
+    assert "finished without noticing" not in out
+
+
 @pytest.mark.parametrize("mode", ["failing_op", "failing_op_all"], ids=["one-rank", "every-rank"])
 def test_a_failed_collective_never_returns_data(mode):
     """The failing rank's caller gets HorovodInternalError (never its own un-reduced input), and

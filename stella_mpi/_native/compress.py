@@ -15,6 +15,7 @@ from .buffers import pointer
 MAX_NUMEL = int(lib.STELLA_SPARSE_MAX_N)
 BLOCK = int(lib.STELLA_BLOCK)
 HEADER_BYTES = int(lib.STELLA_PAYLOAD_HEADER)
+SEGMENT = int(lib.STELLA_SEGMENT)   # entries per segment of the 16-bit offset scheme
 
 SCHEMES = {"auto": lib.STELLA_IDX_AUTO, "u32": lib.STELLA_IDX_U32, "seg16": lib.STELLA_IDX_SEG16,
            "block16": lib.STELLA_IDX_BLOCK16, "block32": lib.STELLA_IDX_BLOCK32, "dense": lib.STELLA_IDX_DENSE,

@@ -28,7 +28,7 @@ from ..base.errors import HorovodInternalError
 from ..compression import Selection, TensorContext, merge_selections, scatter_add
 from .buffers import displacements
 
-MAX_PAYLOAD_BYTES = 1 << 40   # what a peer may announce before the payload is refused unread
+MAX_MPI_COUNT = (1 << 31) - 1   # an int count: the most bytes one all-gather of payloads takes
 TREE_MIN_PAYLOAD = 64 * 1024
 
 
@@ -42,7 +42,22 @@ def residual_key(name, kind, topo):
     return "%s#shard%d" % (name, topo.cluster_rank) if kind == "shard" else name
 
 
-def _exchange_payloads(hier, comm, payload, what):
+def payload_bound(n):
+    """The most bytes a valid payload for a tensor of n elements can hold (every entry with a
+    32-bit index and a 32-bit value; the 16-bit segment scheme's table besides)."""
+    return kernels.HEADER_BYTES + 8 * n + 4 * (n // kernels.SEGMENT + 1)
+
+
+def _check_announced(hier, kind, index, size, n, what):
+    """A peer's announced payload size, before anything is allocated for it."""
+    if not kernels.HEADER_BYTES <= size <= payload_bound(n):
+        raise PeerPayloadError("%s: rank %d announced a payload of %d bytes for a tensor of %d elements (a valid "
+                               "one has %d to %d); refusing it unread" % (
+                                   what, sender_rank(hier, kind, index), size, n, kernels.HEADER_BYTES,
+                                   payload_bound(n)))
+
+
+def _exchange_payloads(hier, comm, payload, n, kind, what):
     """Every rank of ``comm`` sends its uint8 payload to all others; returns the list of
     payloads in ``comm`` rank order (ours included) and the bytes moved."""
     nranks, me = comm.Get_size(), comm.Get_rank()
@@ -51,9 +66,12 @@ def _exchange_payloads(hier, comm, payload, what):
     mine = np.array([payload.numel()], dtype=np.int64)
     sizes = np.zeros(nranks, dtype=np.int64)
     dl.wait(comm.Iallgather(mine, sizes), what + " (sizes)")
+    for i, size in enumerate(sizes.tolist()):
+        _check_announced(hier, kind, i, size, n, what)
     total = int(sizes.sum())
-    if total > MAX_PAYLOAD_BYTES:
-        raise PeerPayloadError("%s: peers announced %d bytes of payload; refusing" % (what, total))
+    if total > MAX_MPI_COUNT:   # (every rank sees the same sizes, so every rank refuses alike)
+        raise ValueError("%s: the clusters' payloads total %d bytes, more than one MPI all-gather takes (2^31 - 1); "
+                         "use a lower density or smaller fusion buckets (HOROVOD_FUSION_THRESHOLD)" % (what, total))
     out = torch.empty(total, dtype=torch.uint8)
     displs = displacements(sizes.tolist())
     dl.wait(comm.Iallgatherv(payload.numpy(), [out.numpy(), sizes.tolist(), displs, MPI.BYTE]), what)
@@ -64,15 +82,14 @@ def _exchange_payloads(hier, comm, payload, what):
     return pieces, sent, received
 
 
-def _swap_payload(hier, comm, partner, payload, what):
+def _swap_payload(hier, comm, partner, payload, n, kind, what):
     """Exchange one payload with one partner (sizes first); returns (theirs, bytes moved)."""
     dl = hier.deadline
     started = time.monotonic()
     mine = np.array([payload.numel()], dtype=np.int64)
     size = np.zeros(1, dtype=np.int64)
     dl.wait_all([comm.Isend(mine, dest=partner, tag=91), comm.Irecv(size, source=partner, tag=91)], what + " (size)")
-    if int(size[0]) > MAX_PAYLOAD_BYTES or int(size[0]) < 0:
-        raise PeerPayloadError("%s: a peer announced %d bytes of payload; refusing" % (what, int(size[0])))
+    _check_announced(hier, kind, partner, int(size[0]), n, what)
     theirs = torch.empty(int(size[0]), dtype=torch.uint8)
     dl.wait_all([comm.Isend(payload.numpy(), dest=partner, tag=92),
                  comm.Irecv(theirs.numpy(), source=partner, tag=92)], what)
@@ -112,7 +129,8 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
             keeps = memory is not None and me & (r - 1) == 0
             current = comp.to_wire(current, memory.residual(key, n, device) if keeps else None)
         payload = comp.encode(current, ctx)
-        theirs, s_bytes, r_bytes = _swap_payload(hier, comm, partner, payload, "sparse tree exchange of %r" % ctx.name)
+        theirs, s_bytes, r_bytes = _swap_payload(hier, comm, partner, payload, n, kind,
+                                                 "sparse tree exchange of %r" % ctx.name)
         t1 = time.perf_counter()
         other = _decode_from(hier, comp, theirs, ctx, n, kind, partner, ctx.name)
         t2 = time.perf_counter()
@@ -214,7 +232,7 @@ def _allgather_reduce(hier, comm, sel, comp, ctx, n, kind):
     if hier.tamper is not None:
         payload = hier.tamper(payload)
     t2 = time.perf_counter()
-    pieces, sent, received = _exchange_payloads(hier, comm, payload, "sparse exchange of %r" % ctx.name)
+    pieces, sent, received = _exchange_payloads(hier, comm, payload, n, kind, "sparse exchange of %r" % ctx.name)
     t3 = time.perf_counter()
     me = comm.Get_rank()
     sels = [sel if i == me else _decode_from(hier, comp, piece, ctx, n, kind, i, ctx.name)

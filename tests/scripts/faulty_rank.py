@@ -43,6 +43,10 @@ if mode == "corrupt":
         bad[32:40] = 255          # the first indices now point far outside the tensor
         return bad
     reduce_tampered(flip_index_bytes, hvd.Compression.topk(density=0.05), "sparse.grad")
+if mode == "oversized":
+    def pad(payload):   # rank 1 announces more bytes than any payload for its shard can hold
+        return torch.cat([payload, torch.zeros(10 * payload.numel() + 100000, dtype=torch.uint8)])
+    reduce_tampered(pad, hvd.Compression.topk(density=0.05), "sparse.grad")
 if mode == "corrupt_thc_scale":
     # rank 1 sends a NaN block maximum in the scale round: no rank may quantize with it
     def nan_scales(agreed):
