@@ -76,8 +76,10 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     extra = getattr(optimizer, "_stella_sync_state", None)
-    if extra is not None:   # state of stella's own outside torch's per-parameter state (local steps)
-        extra(root_rank)
+    # state of stella's own outside torch's per-parameter state (local steps), or all of it (the
+    # CPU engine: True, nothing more to do)
+    if extra is not None and extra(root_rank):
+        return
     base = getattr(optimizer, "_stella_base_class", None)
     state_dict = optimizer.state_dict()
     if not state_dict["state"]:

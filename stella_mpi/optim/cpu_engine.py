@@ -34,6 +34,7 @@ synchronously. ``drain()`` puts the exact master weights into the model (a colle
 model holds predicted weights).
 """
 import logging
+import math
 import time
 
 import torch
@@ -41,8 +42,10 @@ import torch
 from .._native.pool import CpuPool
 from ..adjust.session import AdjustedOptimizer, adjust_session
 from ..api.allgather import allgather
+from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.handles import poll
+from ..api.queries import rank
 from ..base import timeline
 from ..base.devices import one_device, route_for
 from ..base.errors import HorovodInternalError, NonFiniteGradientError
@@ -64,15 +67,28 @@ SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 TIMES = ("exchange_s", "optimizer_s", "allgather_s", "wait_s", "copy_s")
 
 
-def _sparse_optimizer_for(rule, group, master, mode):
-    """The C optimizer doing what ``rule`` (SGD, Adam or AdamW) does with ``group``'s settings."""
+def _hparams_of(rule, group, momentum_corrected):
+    """The C optimizer's hyper-parameters for ``group`` now (at its construction, and at every
+    step, so that a scheduler of lr, momentum, betas or weight decay is followed). With momentum
+    correction the route applies momentum and weight decay, so the C optimizer runs without."""
+    if momentum_corrected:
+        group = dict(group, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
     if rule is torch.optim.SGD:
-        return SparseSGD([master], lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                         weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                         maximize=group.get("maximize", False), mode=mode)
-    cls = SparseAdamW if rule is torch.optim.AdamW else SparseAdam
-    return cls([master], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-               amsgrad=group["amsgrad"], maximize=group.get("maximize", False), mode=mode)
+        return dict(lr=float(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
+                    weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                    maximize=group.get("maximize", False))
+    return dict(lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
+                weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group.get("maximize", False))
+
+
+def _sparse_optimizer_for(rule, group, master, mode, momentum_corrected=False):
+    """The C optimizer doing what ``rule`` (SGD, Adam or AdamW) does with ``group``'s settings
+    (torch's Adam with ``decoupled_weight_decay=True`` is AdamW)."""
+    hp = _hparams_of(rule, group, momentum_corrected)
+    if rule is torch.optim.SGD:
+        return SparseSGD([master], mode=mode, **hp)
+    decoupled = rule is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+    return (SparseAdamW if decoupled else SparseAdam)([master], mode=mode, **hp)
 
 
 class _CpuBucket(Bucket):
@@ -111,7 +127,7 @@ def _copy_into_params(flat, params, non_blocking=False):
 def execute_cpu_update(pset, desc, inputs, joined):
     """Collective thread: reduce-scatter, cross-cluster step (sparse or dense), optimizer step,
     all-gather (module docstring)."""
-    grad, bucket, comp, memory, pool, lr, catch_up, predict = inputs
+    grad, bucket, comp, memory, pool, hparams, catch_up, predict = inputs
     hier = pset.hierarchy
     step, size = desc["step"], pset.nranks
     counts = bucket.counts
@@ -131,10 +147,11 @@ def execute_cpu_update(pset, desc, inputs, joined):
         idx = torch.arange(shard.numel(), dtype=torch.int32)
         val = shard.mul(1.0 / size)
     t1 = clock()
-    if bucket.sopt.hparams["lr"] != lr:
-        bucket.sopt.set_hparams(lr=lr)
+    changed = {k: v for k, v in hparams.items() if bucket.sopt.hparams[k] != v}
+    if changed:   # a scheduler moved them (the C optimizer takes them from this step on)
+        bucket.sopt.set_hparams(**changed)
     bucket.sopt.step([(idx, val)] if idx.numel() else [None], pool=pool, catch_up=catch_up,
-                     timeout_ms=int(1000 * pset.deadline.timeout_s))
+                     timeout_ms=int(1000 * pset.deadline.timeout_s) if math.isfinite(pset.deadline.timeout_s) else -1)
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead; with
     # momentum correction the velocity is the ranks', so the last update is extrapolated instead:
     # master + momentum * (master - master before this step)
@@ -197,6 +214,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self._process_set = process_set
         self._memory = Memory()
         self._steps = 0
+        self._loaded = None   # the state last loaded, until the next step
         self._names = parameter_names(self.param_groups, named_parameters)
         sequences = [list(reversed([q for q in g["params"] if q.requires_grad])) for g in self.param_groups]
         flat_params = [p for seq in sequences for p in seq]
@@ -215,6 +233,8 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 raise ValueError("engine='cpu': momentum factor masking is not supported (momentum_correction=True)")
             if self._stella_base_class is not torch.optim.SGD or self._compression is None:
                 raise ValueError("engine='cpu' with momentum_correction needs SGD and a sparse compression")
+            for group in self.param_groups:
+                MomentumCorrectionState.check_group(group, "engine='cpu' with momentum_correction")
             self._mc = MomentumCorrectionState()
         rt = state.current()
         # the pool first: if its cores are refused, no hook is left on the model's parameters
@@ -332,10 +352,9 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         group = self.param_groups[bucket.group_index]
         bucket.mc_momentum = group["momentum"] if self._mc is not None and group.get("momentum", 0.0) > 0 else 0.0
         if bucket.mc_momentum:
-            # the route already applied momentum and weight decay (momentum correction)
-            group = dict(group, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
             bucket.previous = bucket.master.clone()
-        bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics)
+        bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics,
+                                            bool(bucket.mc_momentum))
         pinned = self._route is not None
         bucket.staged = [torch.empty(bucket.numel, pin_memory=pinned), torch.empty(bucket.numel, pin_memory=pinned)]
         if pinned:
@@ -383,17 +402,25 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
                 "op": "average", "step": step, "seed": rt.config.seed, "staleness": self._staleness,
                 "compressor": list(self._compression.settings()) if self._compression else ["none"]}
-        lr = float(self.param_groups[bucket.group_index]["lr"])
+        hparams = _hparams_of(self._stella_base_class, self.param_groups[bucket.group_index], bool(bucket.mc_momentum))
         # the update of step t is first read by the forward of step t+1 (synchronous) or t+2 (stale):
         # predicted weights only for the stale case
         predict = self._predicted_at(bucket, step)
         desc["predict"] = predict
         if step > 0:   # the updates of one bucket run in step order (ops are matched by name)
             desc["after"] = name + ".step%d" % (step - 1)
-        inputs = (grad, bucket, self._compression, self._memory, self._pool, lr, self._semantics == "exact", predict)
+        inputs = (grad, bucket, self._compression, self._memory, self._pool, hparams, self._semantics == "exact",
+                  predict)
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
                                                               execute_cpu_update, self._process_set, finite, ready))
+
+    def _on_grad_ready(self, p):
+        if p not in self._bucket_of[p].pending:
+            raise AssertionError("engine='cpu': the gradient of %r was computed twice before step(); the engine takes "
+                                 "one backward pass per step and started that step's update at the first"
+                                 % self._names[p])
+        self._grad_final(p)
 
     # -------- Horovod's optimizer API
 
@@ -401,12 +428,20 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         """Launch every bucket of this step that backward did not (e.g. unused parameters)."""
         self._launch_remaining()
 
+    def skip_synchronize(self):
+        """Refused: the engine reads each gradient when backward produces it, so code between
+        ``synchronize()`` and ``step()`` (a clip_grad_norm_) cannot change the update."""
+        raise ValueError("engine='cpu' takes each gradient when backward produces it, so changing gradients between "
+                         "synchronize() and step() would not change the update; use engine=None for Horovod's "
+                         "synchronize(); clip; with opt.skip_synchronize(): step() pattern")
+
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         if self._adjust is not None:
             self._adjust.enter()
         self.synchronize()
         self._steps += 1
+        self._loaded = None
         self._start_step()
         need = self._required()
         if self._staleness_at(self._steps) == 0 or not self._module_hooks:
@@ -452,6 +487,19 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             _copy_into_params(out, b.params)
             b.predicted_in_model = False
 
+    def _stella_sync_state(self, root_rank):
+        """broadcast_optimizer_state: ``root_rank``'s whole engine state on every rank (collective).
+        The state is sharded over the cluster's ranks, so after Horovod's "rank 0 loads a
+        checkpoint" only rank 0's shard holds it: the checkpoint rank 0 loaded since its last
+        step is what goes out, else the state gathered from the shards. Returns True: torch's
+        per-parameter state, which this optimizer does not keep, needs nothing more."""
+        sd = broadcast_object(self._loaded if rank() == root_rank else None, root_rank, name="cpu_engine.loaded")
+        if sd is None:
+            sd = self.state_dict()
+            sd = broadcast_object(sd if rank() == root_rank else None, root_rank, name="cpu_engine.state")
+        self.load_state_dict(sd)
+        return True
+
     def state_dict(self):
         """Collective (call it on every rank): the full master weights and optimizer state of every
         bucket, gathered from the cluster's shards, plus the step count."""
@@ -478,12 +526,27 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         return out
 
     def load_state_dict(self, state):
+        """Load a state_dict() of an engine with the same buckets (checked, every bucket before
+        any is changed). A bucket saved before its first update starts afresh from the model's
+        parameters at the next step."""
         if state.get("engine") != "cpu":
             raise ValueError("not a state_dict of a CPU-engine optimizer")
+        if len(state["buckets"]) != len(self._buckets):
+            raise ValueError("engine='cpu': the checkpoint has %d buckets, this optimizer %d (another fusion "
+                             "threshold or other trainable parameters)" % (len(state["buckets"]), len(self._buckets)))
+        for b, sb in zip(self._buckets, state["buckets"]):
+            if sb is not None and any(t.numel() != b.numel for t in sb["full"].values()):
+                raise ValueError("engine='cpu': bucket %d of the checkpoint holds %s entries, this optimizer's "
+                                 "%d (another fusion threshold or other trainable parameters)"
+                                 % (b.index, sorted({t.numel() for t in sb["full"].values()}), b.numel))
         self.drain()
+        self._loaded = state   # (what broadcast_optimizer_state sends until the next step)
         topo = self._process_set.topology
         for b, sb in zip(self._buckets, state["buckets"]):
-            if sb is None:
+            if sb is None:   # saved before its first update: start it afresh, as then
+                b.master = b.sopt = b.previous = b.predicted = None
+                b.applied = state["steps"] - 1
+                b.predicted_in_model = False
                 continue
             if b.master is None:
                 self._init_bucket(b)

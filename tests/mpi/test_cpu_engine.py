@@ -29,22 +29,28 @@ def _skip_uneven():
 
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
                                   lambda ps: torch.optim.Adam(ps, lr=1e-2),
-                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)],
-                         ids=["sgd", "adam", "adamw"])
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05,
+                                                              decoupled_weight_decay=True)],
+                         ids=["sgd", "adam", "adamw", "adam-decoupled"])
 def test_staleness0_matches_torch_optimizer(make):
     _skip_uneven()
     _against_torch(make)
 
 
-def _against_torch(make, steps=6, **engine):
+def _against_torch(make, steps=6, schedule=None, **engine):
     """Train with engine='cpu' (staleness 0) and with ``make``'s torch optimizer on the mean
-    gradient of every rank's batch; the parameters must agree."""
+    gradient of every rank's batch; the parameters must agree. ``schedule(step, optimizer)``
+    changes both optimizers' groups before a step (a scheduler)."""
     model = _model()
     opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
                                    engine="cpu", staleness=0, model=model, **engine)
     ref = _model()
     ref_opt = make(ref.parameters())
     for step in range(steps):
+        if schedule is not None:
+            schedule(step, opt)
+            schedule(step, ref_opt)
         opt.zero_grad()
         x, y = _batch(hvd.rank(), step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -128,6 +134,97 @@ def test_density_one_crosses_the_clusters_as_the_dense_sum():
         last = hvd.stats()["last_step"]
         sent[name] = (last["wan_bytes_sent"], last.get("entries_sent", 0))
     assert sent["cacheaware 1.0"] == sent["none"] == sent["topk 1.0"] and sent["none"][0] > 0, sent
+
+
+def test_a_scheduler_of_momentum_and_weight_decay_is_followed():
+    """Every hyper-parameter of the group, not only lr, goes to the C optimizer at each step."""
+    _skip_uneven()
+
+    def schedule(step, opt):
+        for g in opt.param_groups:
+            g["lr"] = 0.1 / (1 + step)
+            g["momentum"] = 0.9 if step < 3 else 0.5
+            g["weight_decay"] = 0.0 if step < 2 else 1e-2
+    _against_torch(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=6, schedule=schedule)
+    _against_torch(lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=6,
+                   schedule=lambda step, opt: [g.update(betas=(0.9, 0.99) if step < 3 else (0.8, 0.9))
+                                               for g in opt.param_groups])
+
+
+def test_refused_patterns_say_why():
+    """A second backward before step() (the first one's update has started), Horovod's
+    skip_synchronize (gradients are taken when backward produces them), and a checkpoint of
+    other buckets are refused with a message."""
+    _skip_uneven()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   engine="cpu", staleness=0, model=model)
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="computed twice before step"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="takes each gradient when backward produces it"):
+        opt.skip_synchronize()
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match=r"the checkpoint has %d buckets, this optimizer %d" % (
+            len(sd["buckets"]) + 1, len(sd["buckets"]))):
+        opt.load_state_dict(dict(sd, buckets=sd["buckets"] + [None]))
+    with pytest.raises(ValueError, match="bucket 0 of the checkpoint holds"):
+        bad = copy.deepcopy(sd)
+        bad["buckets"][0]["full"]["master"] = torch.zeros(3)
+        opt.load_state_dict(bad)
+    opt.drain()
+    with pytest.raises(ValueError, match="maximize=True is not supported"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, maximize=True),
+                                 named_parameters=model.named_parameters(), engine="cpu", momentum_correction=True,
+                                 compression=hvd.Compression.topk(0.5))
+
+
+def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
+    """Horovod's resume pattern with engine='cpu': rank 0 loads a checkpoint, then
+    broadcast_parameters and broadcast_optimizer_state give every rank its model and engine
+    state (master weights, momentum, step count), and training goes on identically. A
+    checkpoint saved before the first step resets the buckets (they start afresh)."""
+    _skip_uneven()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), engine="cpu", staleness=0, model=model)
+    fresh = opt.state_dict()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: nothing to spread, no error
+
+    def train(steps, first):
+        for step in range(first, first + steps):
+            opt.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.drain()
+    train(2, 0)
+    saved = opt.state_dict()
+    saved_params = copy.deepcopy(model.state_dict())
+    train(3, 2)
+    if hvd.rank() == 0:   # rank 0 alone resumes from the checkpoint
+        model.load_state_dict(saved_params)
+        opt.load_state_dict(saved)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt._steps == 2
+    train(2, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0))
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
+    # the same as training 4 steps straight from the start
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        _mean_grad(ref, step)
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # back to the checkpoint of step 0: every bucket starts afresh from the model's parameters
+    opt.load_state_dict(fresh)
+    assert opt._steps == 0 and all(b.master is None and b.applied == -1 for b in opt._buckets)
 
 
 def test_state_dict_round_trip():
