@@ -150,9 +150,10 @@ class CpuPool:
     """Worker threads pinned one per entry of ``cores`` (see ``c_src/stella_pool.h``).
 
     Tasks are ``stella_pool_task`` structs; the sparse optimizers (``stella_mpi.optim.sparse_optim``)
-    build them. One batch at a time: :meth:`submit`, then :meth:`wait`. Every wait has a deadline:
+    build them. One batch at a time: :meth:`submit`, then :meth:`wait`. A wait given a deadline
+    (``timeout_ms`` >= 0; the CPU engine passes STELLA_TIMEOUT's) raises
     :class:`stella_mpi._native.NativeTimeoutError` (a ``TimeoutError``) when it passes, with the
-    batch still running (wait again, or :meth:`close`)."""
+    batch still running (wait again, or :meth:`close`); -1 waits for good."""
 
     def __init__(self, cores):
         cores = [int(c) for c in cores]

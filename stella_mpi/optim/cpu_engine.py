@@ -222,6 +222,10 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda"):
                 raise ValueError("engine='cpu' keeps float32 master weights on the CPU for float32 CPU or CUDA "
                                  "parameters; parameter %r is %s on %s" % (self._names[p], p.dtype, p.device))
+            if not p.is_contiguous():
+                raise ValueError("engine='cpu' copies each update into the parameter's memory in order; parameter "
+                                 "%r is not contiguous (channels_last?): make the model's parameters contiguous, or "
+                                 "use engine=None" % self._names[p])
         self._device = one_device(flat_params, "engine='cpu'", [self._names[p] for p in flat_params]) \
             if flat_params else torch.device("cpu")
         self._route = route_for(self._device) if self._device.type == "cuda" else None

@@ -175,6 +175,10 @@ def test_refused_patterns_say_why():
         bad["buckets"][0]["full"]["master"] = torch.zeros(3)
         opt.load_state_dict(bad)
     opt.drain()
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="'weight' is not contiguous"):
+        hvd.DistributedOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), named_parameters=conv.named_parameters(),
+                                 engine="cpu")
     with pytest.raises(ValueError, match="maximize=True is not supported"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, maximize=True),
                                  named_parameters=model.named_parameters(), engine="cpu", momentum_correction=True,
