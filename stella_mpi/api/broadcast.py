@@ -27,7 +27,8 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
 
     def post(result):
         if out is not host_out:
-            out.copy_(host_out)
+            with torch.no_grad():   # (broadcast_ of a parameter)
+                out.copy_(host_out)
         return out
 
     return submit("broadcast", name, desc, (src, host_out), pset, post)

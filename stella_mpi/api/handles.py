@@ -39,9 +39,10 @@ def staged(outputs, hosts):
                  for o, h in zip(outputs, hosts)]
 
     def post(result):
-        for o, h in zip(outputs, host_outs):
-            if o is not h:
-                o.copy_(h)
+        with torch.no_grad():   # (an in-place op's output may be a parameter)
+            for o, h in zip(outputs, host_outs):
+                if o is not h:
+                    o.copy_(h)
         return outputs
     return host_outs, post
 

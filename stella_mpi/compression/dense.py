@@ -25,7 +25,8 @@ class _HalfCompressor(Compressor):
     def compress(cls, tensor):
         if not tensor.dtype.is_floating_point or tensor.dtype == cls.wire_dtype:
             return tensor, None
-        if tensor.dtype == torch.float32 and tensor.device.type == "cpu":
+        if tensor.dtype == torch.float32 and tensor.device.type == "cpu" and \
+                not (tensor.requires_grad and torch.is_grad_enabled()):   # (the C cast is not differentiable)
             return cast_from_f32(tensor, cls.wire_dtype), tensor.dtype
         return tensor.to(cls.wire_dtype), tensor.dtype
 

@@ -42,6 +42,7 @@ import time
 import traceback
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from ..base import timeline
@@ -120,8 +121,12 @@ class CollectiveThread:
         self._last_joined = -1
         self.checks = 0
         self.check_seconds = 0.0
-        self._thread = threading.Thread(target=self._loop if self.negotiator is None else self._named_loop,
-                                        name="stella-collectives", daemon=True)
+        loop = self._loop if self.negotiator is None else self._named_loop
+
+        def run():   # outside autograd: ops write into the caller's tensors (parameters too, as Horovod's do)
+            with torch.no_grad():
+                loop()
+        self._thread = threading.Thread(target=run, name="stella-collectives", daemon=True)
         self._stopped = False
         self._failure = None   # the HorovodInternalError every handle raises after a fatal failure
         self._thread.start()

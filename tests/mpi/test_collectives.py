@@ -194,6 +194,26 @@ def test_autograd_through_collectives():
     assert torch.allclose(x3.grad, torch.full((4,), 3.0 if me == 0 else 0.0))
 
 
+def test_inplace_collectives_on_parameters():
+    """allreduce_ and broadcast_ write into a parameter (a leaf that requires grad), inside
+    no_grad or not, as Horovod's do; fp16/bf16 compression keeps autograd on CPU float32."""
+    n = hvd.size()
+    p = torch.nn.Parameter(torch.full((5,), float(hvd.rank() + 1)))
+    with torch.no_grad():
+        out = hvd.allreduce_(p, op=hvd.Average, name="inplace.param.a")
+    assert out is p and torch.equal(p.detach(), torch.full((5,), (n + 1) / 2.0))
+    hvd.allreduce_(p, op=hvd.Sum, name="inplace.param.b")
+    assert torch.equal(p.detach(), torch.full((5,), n * (n + 1) / 2.0)) and p.requires_grad
+    q = torch.nn.Parameter(torch.full((3, 2), float(hvd.rank())))
+    assert hvd.broadcast_(q, root_rank=n - 1, name="inplace.param.c") is q
+    assert torch.equal(q.detach(), torch.full((3, 2), float(n - 1)))
+    for comp in (hvd.Compression.fp16, hvd.Compression.bf16):
+        x = torch.full((4,), 1.0 + hvd.rank(), requires_grad=True)
+        y = hvd.allreduce(x, op=hvd.Sum, compression=comp, name="inplace.grad.%s" % comp.name)
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.full((4,), float(n)))   # Horovod: the gradient is allreduced too
+
+
 def test_join_with_uneven_work():
     me, n = hvd.rank(), hvd.size()
     steps = 2 + me  # the last rank does the most steps
