@@ -221,6 +221,8 @@ def test_join_with_uneven_work():
         active = sum(1 for r in range(n) if 2 + r > s)
         got = hvd.allreduce(torch.ones(5), op=hvd.Sum, name="join.step.%d" % s)
         assert torch.allclose(got, torch.full((5,), float(active))), (s, got)
+    with pytest.raises(ValueError, match="takes a CUDA device index"):
+        hvd.join(device="cuda:0")
     last = hvd.join()
     assert last == n - 1
     assert torch.allclose(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))

@@ -74,10 +74,21 @@ def _adasum(pset, desc, tensors, outputs):
     return outputs
 
 
+_JOINED_ON = {"cuda": None}   # the GPU a joined rank trained on (hvd.join records it on the caller's thread)
+
+
+def record_join_device(index):
+    """hvd.join(): the CUDA device index this rank's neutral inputs go on (None: not known)."""
+    _JOINED_ON["cuda"] = index
+
+
 def neutral_device(desc):
-    """Where a joined rank builds its neutral inputs: the collective's device kind."""
+    """Where a joined rank builds its neutral inputs: the collective's device kind, on the GPU
+    the rank trained on (the collective thread's own current device is cuda:0 whatever the
+    caller set)."""
     if desc.get("device") == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        index = _JOINED_ON["cuda"]
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
     return torch.device("cpu")
 
 
