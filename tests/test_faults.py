@@ -11,10 +11,10 @@ from mpi_launch import ROOT, mpirun_path
 pytestmark = pytest.mark.mpi
 
 
-def _launch(mode, timeout_env="60", as_module=False):
+def _launch(mode, timeout_env="60", as_module=False, env=None):
     import os
     import subprocess
-    env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2", **(env or {}))
     launcher = mpirun_path()
     if launcher is None:
         pytest.skip("no mpirun")
@@ -93,6 +93,23 @@ def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     assert elapsed < 45, elapsed
     assert "rank 1 sent a malformed payload for 'sparse.grad#shard1'" in out, out[-3000:]
     assert "finished without noticing" not in out
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_inside_gloo_is_not_named_as_silent():
+    """Rank 3 freezes inside an allreduce; rank 2, in its cluster, waits for it inside gloo's
+    reduce-scatter. The deadline names rank 3 alone as never having come: rank 2 answers from
+    inside gloo, while it waits (a blocking gloo wait answered only once its own deadline passed,
+    so a rank that entered it later looked silent, and a launcher would have taken its whole
+    cluster for cut off)."""
+    proc, elapsed = _launch("freeze_in_op", timeout_env="8", env={"STELLA_INTRA_BACKEND": "gloo"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 60, (elapsed, out[-3000:])
+    assert re.search(r"rank 3 \(host [^,]+, pid \d+\) never came", out), out[-3000:]
+    assert not re.search(r"rank 2 \(host [^,]+, pid \d+\)(, rank \d \(host [^,]+, pid \d+\))* never came", out), \
+        out[-3000:]
+    assert re.search(r"rank\(s\) [0-9, ]*2[0-9, ]* wait in ", out), out[-3000:]
 
 
 def test_an_oversized_payload_is_refused_unread_naming_the_sender():

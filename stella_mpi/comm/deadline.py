@@ -123,13 +123,29 @@ class Deadline:
             done.set()
 
     def wait_work(self, work, what):
-        """Wait on a torch.distributed Work object (gloo/NCCL)."""
+        """Wait on a torch.distributed Work object (gloo/NCCL), polled as wait_all polls MPI, so
+        that this rank answers the others' questions of where it waits (a rank blocked inside
+        gloo would otherwise be reported as never having come); its own error, if any, raised."""
+        self.poll_work(work, what)
         try:
             work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise self._expired(what) from e
             raise
+
+    def poll_work(self, work, what):
+        """Until ``work.is_completed()``: short naps, answering the others' questions after half
+        a second; past the deadline, StellaTimeoutError naming who never came."""
+        start, nap = time.monotonic(), 20e-6
+        while not work.is_completed():
+            elapsed = time.monotonic() - start
+            if elapsed > self.timeout_s:
+                raise self._expired(what)
+            if elapsed > 0.5:
+                diagnosis.serve(what)
+            time.sleep(nap)
+            nap = min(nap * 2, 2e-3)
 
 
 def end_on_timeout(error):

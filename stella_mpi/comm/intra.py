@@ -145,7 +145,9 @@ class TorchIntra:
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            # later than stella's own deadline and its diagnosis: NCCL's watchdog counts from the
+            # enqueue and would abort the process with no message naming the rank
+            opts._timeout = timeout + timedelta(seconds=deadline.grace_s + 10)
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
         else:
             raise ValueError("unknown torch.distributed backend %r" % backend)
@@ -237,20 +239,14 @@ class NcclIntra(TorchIntra):
     """NCCL inside a cluster whose ranks each have their own GPU (CUDA tensors only). The
     reduce-scatter and all-gather are NCCL's own (equal chunks: uneven shards are padded), so
     each rank's shard is all that lands on it. Waits are bounded by the deadline on the host
-    (NCCL's own watchdog has the same timeout)."""
+    (NCCL's own watchdog comes later, after the deadline's diagnosis)."""
 
     def __init__(self, comm, deadline, one_node, ifname=""):
         super().__init__(comm, deadline, one_node, ifname, backend="nccl")
 
     def _wait(self, work, what):
-        import time
         work.wait()   # the current (side) stream waits for NCCL's
-        start, nap = time.monotonic(), 20e-6
-        while not work.is_completed():
-            if time.monotonic() - start > self.deadline.timeout_s:
-                raise self.deadline._expired(what)
-            time.sleep(nap)
-            nap = min(nap * 2, 2e-3)
+        self.deadline.poll_work(work, what)
 
     def _padded(self, buf, counts, width):
         if all(c == width for c in counts) and buf.numel() == width * len(counts):

@@ -79,6 +79,24 @@ if mode in ("failing_op", "failing_op_all"):
             print("rank %d got a result after its collective failed: %s" % (hvd.rank(), out[:3].tolist()), flush=True)
     print("rank %d finished without noticing the failure" % hvd.rank())
     raise SystemExit(0)
+if mode == "freeze_in_op":
+    # rank 3 freezes inside the third allreduce, after the ranks agreed to run it: rank 2, its
+    # cluster's other rank, then waits inside gloo for it, and must still answer the others'
+    # questions of where it waits (only rank 3 is silent)
+    from stella_mpi.core import executors
+    real = executors.EXECUTORS["allreduce"]
+    calls = [0]
+
+    def freezing(pset, desc, inputs, joined):
+        calls[0] += 1
+        if hvd.rank() == 3 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real.run(pset, desc, inputs, joined)
+    executors.EXECUTORS["allreduce"] = executors.Executor(freezing, real.neutral)
+    for step in range(50):
+        hvd.allreduce(torch.ones(1000), name="fz.%d" % step)
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
 if hvd.rank() == 1:
     if mode == "raise":
         raise RuntimeError("boom on purpose")
