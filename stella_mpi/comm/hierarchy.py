@@ -83,8 +83,10 @@ class Hierarchy:
     summed over 3+ clusters; ``tamper`` (tests only) is applied to this rank's outgoing sparse
     payloads (uint8 tensors) and THC scales (float32 arrays: the block maxima, then the NaN flag)."""
 
-    def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto", nccl="auto"):
+    def __init__(self, comms, intra, deadline, ranks, stats, pacer=None, sparse_algorithm="auto", nccl="auto",
+                 ifname=""):
         self.comms = comms
+        self.ifname = ifname        # the interface NCCL's rendezvous listens on (STELLA_GLOO_IFNAME), as gloo's
         self.nccl = nccl            # "auto": NCCL inside a cluster whose ranks have their own GPUs; "off"
         self.device_intras = {}     # CUDA device -> NcclIntra, or None (staged through the host)
         self.staged_reasons = {}    # CUDA device -> why it is staged (the warning's text)
@@ -132,7 +134,7 @@ class Hierarchy:
         shared = sorted({g for g in gpus if gpus.count(g) > 1})
         if not shared and all(e["nccl"] for e in everyone):
             self.device_intras[device] = NcclIntra(self.comms.cluster, self.deadline,
-                                                   len({g.split("/")[0] for g in gpus}) == 1)
+                                                   len({g.split("/")[0] for g in gpus}) == 1, self.ifname)
             return
         self.device_intras[device] = None
         if shared:

@@ -62,7 +62,7 @@ class ProcessSet:
         self.comms = Communicators(comm, topo, self.deadline)
         self.intra = self._intra_backend(topo, config)
         self.hierarchy = Hierarchy(self.comms, self.intra, self.deadline, self.ranks, stats, pacer,
-                                   config.sparse_algorithm, config.nccl)
+                                   config.sparse_algorithm, config.nccl, config.gloo_ifname)
 
     def _intra_backend(self, topo, config):
         """MPI or gloo inside this rank's cluster: the one the setting names, or the faster."""
