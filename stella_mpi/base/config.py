@@ -7,6 +7,7 @@ writes some of these variables for the ranks it launches: ``STELLA_CLUSTER``,
 pacing pair ``STELLA_WAN_PACE_BPS``/``STELLA_WAN_PACE_DELAY_S``; ``tests/unit/test_layering.py``
 checks that every variable it writes is one read here.
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -14,14 +15,28 @@ CPU_CORES_VAR = "STELLA_CPU_CORES"
 CPU_THREADS_VAR = "STELLA_CPU_THREADS"
 
 
+def _finite(v):
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(v)
+    return x
+
+
+_FORMATS = {"_finite": "finite number", "_bool": "boolean (1/0, true/false, yes/no, on/off)", "int": "integer",
+            "float": "number", "str": "string"}
+
+
 def _env(names, default, cast):
+    if cast is float:
+        cast = _finite   # nan would switch a deadline off, inf overflow the waits that take one
     for name in names:
         v = os.environ.get(name)
         if v not in (None, ""):
             try:
                 return cast(v)
             except ValueError:
-                raise ValueError("environment variable %s=%r is not a valid %s" % (name, v, cast.__name__)) from None
+                raise ValueError("environment variable %s=%r is not a valid %s"
+                                 % (name, v, _FORMATS.get(cast.__name__, cast.__name__))) from None
     return default
 
 

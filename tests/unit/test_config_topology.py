@@ -30,7 +30,9 @@ def test_config_defaults_and_horovod_names(monkeypatch):
     ("STELLA_TIMEOUT", "-1", "positive"),
     ("STELLA_INTRA_BACKEND", "carrier-pigeon", "auto, mpi or gloo"),
     ("STELLA_CLUSTERS", "-2", "STELLA_CLUSTERS"),
-    ("STELLA_CHECK_COLLECTIVES", "maybe", "STELLA_CHECK_COLLECTIVES"),
+    ("STELLA_CHECK_COLLECTIVES", "maybe", r"STELLA_CHECK_COLLECTIVES='maybe' is not a valid boolean \(1/0"),
+    ("STELLA_TIMEOUT", "nan", "STELLA_TIMEOUT='nan' is not a valid finite number"),   # would switch deadlines off
+    ("STELLA_TIMEOUT", "inf", "STELLA_TIMEOUT='inf' is not a valid finite number"),
 ])
 def test_config_errors_name_the_variable(monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)
