@@ -1,4 +1,6 @@
 """``hvd.broadcast`` (new tensor or in place, async), with autograd."""
+import operator
+
 import torch
 
 from ..core import state
@@ -15,7 +17,11 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     collective_thread(what)
     pset = checked_process_set(process_set, what)
     check_tensor(tensor, what)
-    if not isinstance(root_rank, int) or root_rank not in pset.ranks:
+    try:   # an integer-like root (numpy's int64) as Horovod takes it
+        root_rank = operator.index(root_rank) if not isinstance(root_rank, bool) else root_rank
+    except TypeError:
+        pass
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or root_rank not in pset.ranks:
         raise ValueError("%s: root_rank %r is not a rank of the process set (ranks %s)"
                          % (what, root_rank, pset.ranks))
     name = name or auto_name("broadcast", pset)

@@ -8,7 +8,7 @@ from ..core import state
 from ..core.process_sets import global_process_set
 from .allgather import allgather
 from .broadcast import broadcast_, broadcast_async_
-from .handles import synchronize
+from .handles import auto_name, synchronize
 
 
 def broadcast_parameters(params, root_rank, prefix=None):
@@ -35,8 +35,10 @@ def broadcast_parameters(params, root_rank, prefix=None):
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``obj`` on every rank (serialized with pickle).
 
-    Only for objects from a trusted job: unpickling runs code chosen by the sender."""
-    name = name or type(obj).__name__
+    Only for objects from a trusted job: unpickling runs code chosen by the sender. Unnamed, it
+    takes the next auto name (Horovod names it by the object's type, which differs between the
+    root's object and the others' None, so the ranks waited for each other until the deadline)."""
+    name = name or auto_name("broadcast_object", process_set)
     is_root = state.current("hvd.broadcast_object()").rank == root_rank
     if is_root:
         buf = io.BytesIO()
@@ -55,8 +57,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
-    """A list with every rank's ``obj`` (pickle; as ``broadcast_object``, for trusted jobs)."""
-    name = name or type(obj).__name__
+    """A list with every rank's ``obj`` (pickle; as ``broadcast_object``, for trusted jobs;
+    unnamed, the next auto name, not the object's type, which may differ by rank)."""
+    name = name or auto_name("allgather_object", process_set)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), "allgather_object.%s.sz" % name,

@@ -10,6 +10,7 @@ a run is left, and ``init()`` starts from scratch. The Horovod API reads the sta
 :func:`current`, which raises Horovod's error before ``init()``.
 """
 import atexit
+import itertools
 import logging
 import os
 import signal
@@ -43,6 +44,12 @@ class Runtime:
     """Everything ``init()`` creates; torn down by ``shutdown()``."""
 
     def __init__(self, comm, process_sets):
+        # Horovod's init(process_sets="dynamic"): sets added and removed later (always possible here)
+        if isinstance(process_sets, str) and process_sets == "dynamic":
+            process_sets = None
+        if process_sets is not None and (isinstance(process_sets, str) or not isinstance(process_sets, (list, tuple))):
+            raise ValueError("hvd.init(process_sets=...) takes a list of process sets (or rank lists), or "
+                             "'dynamic', not %r" % (process_sets,))
         self.config = Config.from_env()
         logging.basicConfig()
         log.setLevel(self.config.log_level.upper() if self.config.log_level.upper() in
@@ -79,6 +86,7 @@ class Runtime:
         self._build(global_process_set, is_global=True)
         global_process_set.process_set_id = 0
         self.process_sets = {0: global_process_set}
+        self._set_ids = itertools.count(1)   # never reused: a removed set's auto-name counters stay behind
         self.collective_thread = CollectiveThread(self.rank, cfg, global_process_set.comms.comm,
                                                   global_process_set.deadline, self.process_sets.get,
                                                   self.auto_names.catch_up)
@@ -131,7 +139,7 @@ class Runtime:
         if existing:
             raise ValueError("a process set with ranks %s already exists (id %d)" % (ps.ranks, existing[0].process_set_id))
         self._build(ps, is_global=False)
-        ps.process_set_id = max(self.process_sets) + 1
+        ps.process_set_id = next(self._set_ids)
         self.process_sets[ps.process_set_id] = ps
         return ps
 

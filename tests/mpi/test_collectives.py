@@ -214,6 +214,39 @@ def test_inplace_collectives_on_parameters():
         assert torch.equal(x.grad, torch.full((4,), float(n)))   # Horovod: the gradient is allreduced too
 
 
+def test_objects_and_roots_as_horovod_takes_them():
+    """broadcast_object of the root's object against the others' None, unnamed (names by type
+    would differ and stall), allgather_object of objects of different types, a numpy root rank."""
+    import numpy as np
+    got = hvd.broadcast_object({"lr": 0.1} if hvd.rank() == 0 else None)
+    assert got == {"lr": 0.1}
+    assert hvd.allgather_object(hvd.rank() if hvd.rank() % 2 else float(hvd.rank())) == \
+        [r if r % 2 else float(r) for r in range(hvd.size())]
+    t = torch.full((2,), float(hvd.rank()))
+    assert torch.equal(hvd.broadcast(t, root_rank=np.int64(hvd.size() - 1)), torch.full((2,), float(hvd.size() - 1)))
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(t, root_rank=True)
+
+
+def test_process_set_ids_are_never_reused():
+    """A removed set's id is not given to the next set: its ranks' auto-name counters stay
+    behind, and a new set under the same id would name its first unnamed op differently on a rank
+    that used the old set (they would wait for each other until the deadline)."""
+    n = hvd.size()
+    if n < 3:
+        pytest.skip("needs two overlapping sets of two ranks")
+    a = hvd.add_process_set([0, 1])
+    used = a.process_set_id
+    if hvd.rank() in (0, 1):
+        hvd.allreduce(torch.ones(2), process_set=a)
+    hvd.remove_process_set(a)
+    b = hvd.add_process_set([1, 2])
+    assert b.process_set_id not in (0, used)
+    if hvd.rank() in (1, 2):
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=b), torch.full((2,), 2.0))
+    hvd.remove_process_set(b)
+
+
 def test_join_with_uneven_work():
     me, n = hvd.rank(), hvd.size()
     steps = 2 + me  # the last rank does the most steps

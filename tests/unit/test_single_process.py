@@ -44,6 +44,18 @@ assert state.current() is not run and state.current().sparse_steps == {}
 assert state.current().auto_name("allreduce") == "allreduce.noname.0"
 assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x)
 hvd.shutdown()
+# Horovod's init(process_sets="dynamic"); anything else that is not a list is refused before
+# anything is built, and a later init works
+try:
+    hvd.init(process_sets="static")
+except ValueError as e:
+    assert "takes a list of process sets" in str(e), e
+else:
+    raise SystemExit("init(process_sets='static') did not raise")
+assert not hvd.is_initialized()
+hvd.init(process_sets="dynamic")
+assert hvd.is_initialized()
+hvd.shutdown()
 print("single-process checks passed")
 '''
 
