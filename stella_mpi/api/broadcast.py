@@ -17,13 +17,12 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     collective_thread(what)
     pset = checked_process_set(process_set, what)
     check_tensor(tensor, what)
-    try:   # an integer-like root (numpy's int64) as Horovod takes it
-        root_rank = operator.index(root_rank) if not isinstance(root_rank, bool) else root_rank
-    except TypeError:
-        pass
-    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or root_rank not in pset.ranks:
+    # an integer-like root (numpy's int64) as Horovod takes it
+    if isinstance(root_rank, bool) or not hasattr(root_rank, "__index__") or \
+            operator.index(root_rank) not in pset.ranks:
         raise ValueError("%s: root_rank %r is not a rank of the process set (ranks %s)"
                          % (what, root_rank, pset.ranks))
+    root_rank = operator.index(root_rank)
     name = name or auto_name("broadcast", pset)
     desc = {"kind": "broadcast", "name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
             "root": root_rank}

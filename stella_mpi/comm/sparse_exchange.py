@@ -262,12 +262,9 @@ def dense_rung(hier, piece, comp, memory, key, comm):
     grad_sq = float(torch.dot(piece, piece))
     wire = None if comp.value_dtype == "float32" else getattr(torch, comp.value_dtype)
     if wire is not None:   # 16-bit values: clamped to the wire's range, the rounding error kept (as select does)
-        finfo = torch.finfo(wire)
-        finite = torch.isfinite(piece)
-        rounded = torch.where(finite, piece.clamp(-finfo.max, finfo.max), piece).to(wire).to(piece.dtype)
+        rounded, err = comp.wire_rounding(piece)
         if memory is not None:
-            memory.residual(key, piece.numel(), piece.device).copy_(
-                torch.where(finite, piece - rounded, torch.zeros_like(piece)))
+            memory.residual(key, piece.numel(), piece.device).copy_(err)
         piece.copy_(rounded)
     t0 = time.perf_counter()
     hier.cross_reduce(piece, "sum", comm, wire)

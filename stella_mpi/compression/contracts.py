@@ -225,30 +225,30 @@ class SparseCompressor(Compressor):
         idx, val = device_select.topk(flat, k, residual)
         return idx, val, None
 
-    def _round_to_wire(self, idx, val, residual):
+    def wire_rounding(self, val):
+        """(``val`` as the 16-bit wire carries it, clamped to its range; the rounding error, 0
+        where a value is not finite)."""
         wire = _WIRE[self.value_dtype]
         finfo = torch.finfo(wire)
         finite = torch.isfinite(val)
         q = torch.where(finite, val.clamp(-finfo.max, finfo.max), val).to(wire).to(torch.float32)
+        return q, torch.where(finite, val - q, torch.zeros_like(val))
+
+    def _round_to_wire(self, idx, val, residual):
+        q, err = self.wire_rounding(val)
         if residual is not None:
-            err = torch.where(finite, val - q, torch.zeros_like(val))
             residual.index_copy_(0, idx.long(), err)
         return q
 
     def to_wire(self, sel, residual=None):
-        """``sel`` with its values as the wire carries them (16-bit values rounded, clamped to
-        the wire's range: what a peer decodes from :meth:`encode`); the rounding error is added
-        to ``residual`` (dense, of the tensor's numel) where given. Float32: ``sel`` itself."""
+        """``sel`` with its values as the wire carries them (what a peer decodes from
+        :meth:`encode`); the rounding error is added to ``residual`` (dense, of the tensor's
+        numel) where given. Float32: ``sel`` itself."""
         if self.value_dtype == "float32":
             return sel
-        wire = _WIRE[self.value_dtype]
-        finfo = torch.finfo(wire)
-        val = sel.values
-        finite = torch.isfinite(val)
-        q = torch.where(finite, val.clamp(-finfo.max, finfo.max), val).to(wire).to(torch.float32)
+        q, err = self.wire_rounding(sel.values)
         if residual is not None:
-            residual.index_add_(0, sel.indices.long().to(residual.device),
-                                torch.where(finite, val - q, torch.zeros_like(val)).to(residual.device))
+            residual.index_add_(0, sel.indices.long().to(residual.device), err.to(residual.device))
         return Selection(sel.indices, q, sel.numel)
 
     def encode(self, sel, ctx):

@@ -45,9 +45,9 @@ class Runtime:
 
     def __init__(self, comm, process_sets):
         # Horovod's init(process_sets="dynamic"): sets added and removed later (always possible here)
-        if isinstance(process_sets, str) and process_sets == "dynamic":
+        if process_sets == "dynamic":
             process_sets = None
-        if process_sets is not None and (isinstance(process_sets, str) or not isinstance(process_sets, (list, tuple))):
+        if process_sets is not None and not isinstance(process_sets, (list, tuple)):
             raise ValueError("hvd.init(process_sets=...) takes a list of process sets (or rank lists), or "
                              "'dynamic', not %r" % (process_sets,))
         self.config = Config.from_env()

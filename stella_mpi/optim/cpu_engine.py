@@ -34,7 +34,6 @@ synchronously. ``drain()`` puts the exact master weights into the model (a colle
 model holds predicted weights).
 """
 import logging
-import math
 import time
 
 import torch
@@ -151,7 +150,7 @@ def execute_cpu_update(pset, desc, inputs, joined):
     if changed:   # a scheduler moved them (the C optimizer takes them from this step on)
         bucket.sopt.set_hparams(**changed)
     bucket.sopt.step([(idx, val)] if idx.numel() else [None], pool=pool, catch_up=catch_up,
-                     timeout_ms=int(1000 * pset.deadline.timeout_s) if math.isfinite(pset.deadline.timeout_s) else -1)
+                     timeout_ms=int(1000 * pset.deadline.timeout_s))
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead; with
     # momentum correction the velocity is the ranks', so the last update is extrapolated instead:
     # master + momentum * (master - master before this step)

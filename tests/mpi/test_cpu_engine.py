@@ -197,24 +197,17 @@ def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
     fresh = opt.state_dict()
     hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: nothing to spread, no error
 
-    def train(steps, first):
-        for step in range(first, first + steps):
-            opt.zero_grad()
-            x, y = _batch(hvd.rank(), step)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        opt.drain()
-    train(2, 0)
+    _run(model, opt, 2, 0)
     saved = opt.state_dict()
     saved_params = copy.deepcopy(model.state_dict())
-    train(3, 2)
+    _run(model, opt, 3, 2)
     if hvd.rank() == 0:   # rank 0 alone resumes from the checkpoint
         model.load_state_dict(saved_params)
         opt.load_state_dict(saved)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt._steps == 2
-    train(2, 2)
+    _run(model, opt, 2, 2)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.unsqueeze(0))
     assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
@@ -231,28 +224,30 @@ def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
     assert opt._steps == 0 and all(b.master is None and b.applied == -1 for b in opt._buckets)
 
 
+def _run(model, opt, steps, start):
+    """``steps`` training steps from step ``start`` (each rank its own batches), then drain()."""
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.drain()
+
+
 def test_state_dict_round_trip():
     _skip_uneven()
-
-    def run(model, opt, steps, start):
-        for step in range(start, start + steps):
-            opt.zero_grad()
-            x, y = _batch(hvd.rank(), step)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        opt.drain()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                    named_parameters=model.named_parameters(), engine="cpu", staleness=0)
-    run(model, opt, 3, 0)
+    _run(model, opt, 3, 0)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
-    run(model, opt, 2, 3)
+    _run(model, opt, 2, 3)
     model2 = _model(seed=5)
     model2.load_state_dict(saved_model)
     opt2 = hvd.DistributedOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2),
                                     named_parameters=model2.named_parameters(), engine="cpu", staleness=0)
     opt2.load_state_dict(saved_opt)
-    run(model2, opt2, 2, 3)
+    _run(model2, opt2, 2, 3)
     for p, q in zip(model.parameters(), model2.parameters()):
         torch.testing.assert_close(p, q)
 

@@ -264,6 +264,15 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
+def _steps(model, opt, steps):
+    """One training step of ``model`` per step number in ``steps`` (each rank its own batches)."""
+    for step in steps:
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def _train_with(make_opt, steps, after_step=None):
     model = _model()
     opt = make_opt(model)
@@ -356,11 +365,7 @@ def test_local_steps_resume_after_sync_clusters_with_overlap():
         opt.load_state_dict(saved)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    for step in range(5, 8):
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    _steps(model, opt, range(5, 8))
     opt.sync_clusters()
     assert all(x == (opt._ls.exchanges, opt._ls.local_steps) for x in
                hvd.allgather_object((opt._ls.exchanges, opt._ls.local_steps)))
@@ -480,11 +485,7 @@ def test_local_steps_overlap_checkpoints_without_waiting_on_the_others():
     saved = hvd.broadcast_object(saved, root_rank=0, name="ls.overlap.ckpt")
     opt.load_state_dict(saved)
     assert opt._ls_channel.pending is None
-    for step in range(4, 8):
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    _steps(model, opt, range(4, 8))
     opt.sync_clusters()
     _assert_same_everywhere(model)
 
