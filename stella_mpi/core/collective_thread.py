@@ -92,6 +92,10 @@ class Handle:
         self.post = post   # run on the caller's thread by wait(): the executor's result -> what the caller gets
 
 
+# handle ids, process-wide: a handle kept across shutdown() and init() never names another run's op
+_HANDLE_IDS = itertools.count(1)
+
+
 class CollectiveThread:
     """The background thread and its queue; one per runtime."""
 
@@ -114,7 +118,7 @@ class CollectiveThread:
         self._current = None
         self._queue = queue.Queue()
         self._handles = {}
-        self._ids = itertools.count(1)
+        self._ids = _HANDLE_IDS
         self._lock = threading.Lock()
         self._hash_cache = {}
         self._inflight = set()

@@ -55,6 +55,14 @@ else:
 assert not hvd.is_initialized()
 hvd.init(process_sets="dynamic")
 assert hvd.is_initialized()
+# a handle kept across shutdown() and init() does not name the new run's op
+old = hvd.allreduce_async(x, name="kept")
+hvd.synchronize(old)
+hvd.shutdown()
+hvd.init()
+new = hvd.allreduce_async(2 * x, name="kept")
+assert hvd.synchronize(old) is None   # unknown here (None, as Horovod), not the new op's result
+assert torch.equal(hvd.synchronize(new), 2 * x)
 hvd.shutdown()
 print("single-process checks passed")
 '''
