@@ -82,14 +82,15 @@ class Op:
 
 
 class Handle:
-    __slots__ = ("done", "result", "error", "name", "post")
+    __slots__ = ("done", "result", "error", "name", "post", "pset")
 
-    def __init__(self, name, post=None):
+    def __init__(self, name, post=None, pset=None):
         self.done = threading.Event()
         self.result = None
         self.error = None
         self.name = name
         self.post = post   # run on the caller's thread by wait(): the executor's result -> what the caller gets
+        self.pset = pset   # the process set it runs on
 
 
 # handle ids, process-wide: a handle kept across shutdown() and init() never names another run's op
@@ -144,7 +145,7 @@ class CollectiveThread:
             raise HorovodInternalError(str(self._failure))
         if self._stopped:
             raise HorovodInternalError("stella_mpi has been shut down; call hvd.init() again")
-        handle = Handle(op.name, post)
+        handle = Handle(op.name, post, op.pset)
         op.handle = handle
         op.submitted = time.perf_counter()
         with self._lock:
@@ -156,6 +157,11 @@ class CollectiveThread:
             self._handles[hid] = handle
         self._queue.put(op)
         return hid
+
+    def busy_with(self, pset):
+        """Whether an op of ``pset`` is queued or running on this rank."""
+        with self._lock:
+            return any(h.pset is pset and not h.done.is_set() for h in self._handles.values())
 
     def known(self, hid):
         return hid in self._handles

@@ -146,10 +146,17 @@ class Runtime:
     def remove_process_set(self, ps):
         if ps.process_set_id in (None, 0):
             raise ValueError("cannot remove %r" % ps)
+        # every rank meets here, and learns whether any still has an op of the set queued or running
+        # (its communicators would be freed under it): then every rank refuses alike
+        busy = np.array([int(self.collective_thread.busy_with(ps))], dtype=np.int32)
         try:
-            global_process_set.deadline.wait(self.world.Ibarrier(), "process set change")
+            global_process_set.deadline.wait(self.world.Iallreduce(MPI.IN_PLACE, busy, op=MPI.MAX),
+                                             "process set change")
         except StellaTimeoutError as e:
             end_on_timeout(e)
+        if busy[0]:
+            raise ValueError("hvd.remove_process_set(%r): a collective of that set is still queued or running on some "
+                             "rank; synchronize its handles first" % ps)
         del self.process_sets[ps.process_set_id]
         ps._free()
         ps.process_set_id = None

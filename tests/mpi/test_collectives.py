@@ -242,8 +242,15 @@ def test_process_set_ids_are_never_reused():
     hvd.remove_process_set(a)
     b = hvd.add_process_set([1, 2])
     assert b.process_set_id not in (0, used)
-    if hvd.rank() in (1, 2):
-        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=b), torch.full((2,), 2.0))
+    # rank 1's op waits for rank 2's, which comes only after the removal was tried: every rank
+    # refuses to free the set's communicators under it
+    h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, process_set=b) if hvd.rank() == 1 else None
+    with pytest.raises(ValueError, match="still queued or running on some rank"):
+        hvd.remove_process_set(b)
+    if hvd.rank() == 2:
+        h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, process_set=b)
+    if h is not None:
+        assert torch.equal(hvd.synchronize(h), torch.full((2,), 2.0))
     hvd.remove_process_set(b)
 
 
