@@ -74,7 +74,7 @@ def run_one(rate, mode, args, tmp):
     out = os.path.join(tmp, "%s_%s.json" % (rate, mode.replace("+", "_")))
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
     how = [a.format(c=args.compressor) for a in MODES[mode]]
-    if mode == "adapt":
+    if mode.startswith("adapt"):   # (adapt+thc too: the same density range, THC rungs besides)
         how += ["--min-density", str(args.min_density), "--max-density", str(args.max_density)]
     cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
            os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
@@ -90,6 +90,10 @@ def run_one(rate, mode, args, tmp):
     with open(out) as f:
         res = json.load(f)
     res["command"] = " ".join(["stellarun"] + cmd[1:])
+    if mode in TORCH_PEERS and res.get("wan_mode") != "namespaces":
+        # without namespaces stellarun paces stella's own sends only: torch's gloo would run unthrottled
+        print(" refused: WAN mode %r, torch's traffic is not shaped (run as root for namespaces)" % res.get("wan_mode"))
+        return {"error": "WAN mode %r does not shape torch's traffic" % res.get("wan_mode"), "command": res["command"]}
     steps = len(res["records"])
     print(" %d steps, held-out loss %.4f" % (steps, res["validation_loss"]), flush=True)
     return res

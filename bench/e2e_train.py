@@ -109,9 +109,19 @@ def torch_peer_setup(model, opt, mode):
     from torch.distributed.optim import PostLocalSGDOptimizer
     period = int(mode.split(":")[1])
     subgroup, _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=cluster_ranks())
-    state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=10)
+    # local steps from the first step, as stella's LocalSteps (a warm-up of global allreduces would
+    # spend the first steps on the WAN: at 20 Mbit/s a whole 40 s run)
+    state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=0)
     net.register_comm_hook(state, post_localSGD_hook)
-    return net, PostLocalSGDOptimizer(optim=opt, averager=PeriodicModelAverager(period=period, warmup_steps=10))
+    return net, PostLocalSGDOptimizer(optim=opt, averager=PeriodicModelAverager(period=period, warmup_steps=0))
+
+
+def postlocal_averaged(opt):
+    """Whether post-local SGD's last ``opt.step()`` averaged the models (PeriodicModelAverager's
+    rule: at its calls warmup, warmup + period, ...)."""
+    averager = opt.averager
+    s = averager.step - 1
+    return s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0
 
 
 def main():
@@ -192,15 +202,27 @@ def main():
         net = model
     vx, vy = task.validation()
 
+    # post-local SGD: the model the ranks last averaged (the initial one before), evaluated as
+    # stella's local steps are, on their last agreed model
+    postlocal = {"agreed": {n: p.detach().clone() for n, p in model.named_parameters()}} \
+        if args.mode.startswith("postlocal") else None
+
+    def agreed_parameters():
+        if postlocal is not None:
+            return postlocal["agreed"]
+        if hvd and hasattr(opt, "consensus_parameters"):
+            return opt.consensus_parameters() or None
+        return None
+
     def held_out_loss():
         if hvd and args.mode.startswith("cpu"):
             opt.drain()   # the updates in flight into the model first
         with torch.no_grad():
-            if hvd and hasattr(opt, "consensus_parameters") and opt.consensus_parameters():
-                # local steps: the model the clusters last agreed on (one model, the same everywhere,
-                # with or without overlap), swapped in for the evaluation only
+            agreed = agreed_parameters()
+            if agreed:
+                # local steps (stella's, or torch's post-local SGD): the model the clusters last
+                # agreed on (one model, the same everywhere), swapped in for the evaluation only
                 mine = {n: p.detach().clone() for n, p in model.named_parameters()}
-                agreed = opt.consensus_parameters()
                 for n, p in model.named_parameters():
                     p.copy_(agreed[n])
                 loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
@@ -228,6 +250,8 @@ def main():
         loss.backward()
         compute = time.perf_counter() - c0
         opt.step()
+        if postlocal is not None and postlocal_averaged(opt):
+            postlocal["agreed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         now = time.perf_counter()
         st = hvd.stats()["last_step"] if hvd else {}
         wan = st.get("wan_bytes_sent", 0)
