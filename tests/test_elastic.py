@@ -37,15 +37,18 @@ def hosts(tmp_path):
     return eh.discovery(tmp_path, [("localhost", 2), ("127.0.0.1", 2)])
 
 
-def _launch(tmp_path, script, steps):
+def _launch(tmp_path, script, steps, engine="sync"):
     return eh.launch(tmp_path, script, 4, steps, train_args=["--commit-every", str(COMMIT_EVERY),
-                                                              "--step-sleep", "0.05"])
+                                                              "--step-sleep", "0.05", "--engine", engine])
 
 
-def test_revoked_host_is_survived_and_rejoins(tmp_path, hosts):
+@pytest.mark.parametrize("engine", ["sync", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_revoked_host_is_survived_and_rejoins(tmp_path, hosts, engine):
+    """(engine="cpu": its state is sharded over the ranks, so only the root's load holds the
+    commit, and the resume syncs that; a state_dict() there is collective and stalled it.)"""
     listing, script = hosts
     before = set(glob.glob("/tmp/stella-elastic-*"))
-    proc, log, out, f = _launch(tmp_path, script, steps=120)
+    proc, log, out, f = _launch(tmp_path, script, steps=120, engine=engine)
     _progress, _workers = eh.progress, eh.workers
     try:
         kill_at = random.Random().randint(12, 30)

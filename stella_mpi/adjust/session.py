@@ -78,6 +78,8 @@ class AdjustSession:
         # settings and compression were checked by DistributedOptimizer
         self.settings = settings
         self.pset = process_set
+        # its gathers' names, apart from another optimizer's (the set's members count alike)
+        self._name = state.current().auto_name("adjuster", process_set)
         topo = process_set.topology
         self._me = process_set.rank()
         self._where = (topo.cluster_id, topo.cluster_rank)
@@ -173,7 +175,7 @@ class AdjustSession:
                  "passes": c.passes, "cluster": self._where[0], "group": self._where[1], "bits": c.bits}
         for k, v in fixed.items():
             row[F[k]] = v
-        name = "adjuster.telemetry.%d" % step
+        name = "%s.telemetry.%d" % (self._name, step)
         desc = {"kind": "adjust_telemetry", "name": name, "fields": len(ROW_FIELDS), "step": int(step)}
         handle = state.current().collective_thread.submit(Op("adjust_telemetry", name, desc, (row,),
                                                              execute_gather, self.pset))

@@ -13,9 +13,11 @@ there to every rank, newcomers included. No shared filesystem is needed. Without
 What a commit holds: the model's and the optimizer's ``state_dict`` (so stella's own state that
 lives there: momentum-correction velocities, local-steps anchors, the CPU engine's master copy and
 optimizer state), samplers, and the user's values. Not held: the sparse route's error-feedback
-residuals, which belong to the shard layout of the job that made them (a new layout starts them at
-zero; at most the last few steps' unsent small entries are lost), and the adjuster's current
-density (it starts again from the optimizer's compressor and re-measures the link)."""
+residuals, which belong to the shard layout of the job that made them (a restore or a new layout
+starts them at zero: the entries not yet sent are lost, at density d those of about the last 1/d
+steps, mostly small ones), and the adjuster's current density (it starts again from the
+optimizer's compressor and re-measures the link). Momentum correction's velocities are each
+rank's own; a commit holds the committing rank's, and a sync gives every rank the root's."""
 import copy
 
 import torch
@@ -140,12 +142,22 @@ class _Handler:
                                                     name="elastic.%s" % name))
 
 
+class _OptimizerHandler(_Handler):
+    def sync(self, root_rank, name):
+        # an optimizer whose state is sharded over the ranks (the CPU engine) syncs all of it from
+        # what the root loaded: a state_dict() there is collective, and only the root has loaded
+        whole = getattr(self.value, "_stella_sync_state", None)
+        if whole is not None and whole(root_rank):
+            return
+        super().sync(root_rank, name)
+
+
 class _ModelHandler(_Handler):
     def sync(self, root_rank, name):
         broadcast_parameters(self.value.state_dict(), root_rank=root_rank)
 
 
-HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _Handler), (ElasticSampler, _Handler)]
+HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler), (ElasticSampler, _Handler)]
 
 
 class TorchState(ObjectState):

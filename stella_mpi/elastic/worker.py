@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..base.config import elastic_setting
-from ..base.errors import HorovodInternalError, HostsUpdatedInterrupt
+from ..base.errors import CollectiveRefused, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("stella_mpi")
 
@@ -89,9 +89,14 @@ class ElasticJob:
             return -1, None
 
     def start(self, state):
-        """Newest commit anywhere -> its rank; reset callbacks; sync from there to all."""
+        """Newest commit anywhere -> its rank; reset callbacks; sync from there to all. Once per
+        incarnation: a later call of the wrapped function (one per epoch) syncs the state as it
+        is in memory, as Horovod does, instead of rolling back to the last commit."""
         from ..api.functions import allgather_object
         from ..api.queries import rank
+        if self.started is not None:
+            state.sync(0)
+            return
         t0, t0_unix = time.perf_counter(), time.time()
         me = rank()
         hosts = allgather_object(self.host, name="elastic.hosts")
@@ -149,6 +154,8 @@ def run(func):
         job.start(state)
         try:
             return func(state, *args, **kwargs)
+        except CollectiveRefused:
+            raise   # every rank refused alike and they are still in step: the program's error, not a lost peer
         except HorovodInternalError as e:
             job.leave("a collective failed (%s); the next incarnation resumes from commit %d"
                       % (str(e).splitlines()[0] if str(e) else type(e).__name__, state._commits))

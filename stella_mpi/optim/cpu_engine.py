@@ -543,6 +543,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                                  "%d (another fusion threshold or other trainable parameters)"
                                  % (b.index, sorted({t.numel() for t in sb["full"].values()}), b.numel))
         self.drain()
+        self._memory.reset()   # (residuals of steps after the checkpoint, for parameters it no longer holds)
         self._loaded = state   # (what broadcast_optimizer_state sends until the next step)
         topo = self._process_set.topology
         for b, sb in zip(self._buckets, state["buckets"]):

@@ -394,6 +394,8 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             self._passes[p] = passes
 
     def load_state_dict(self, state_dict):
+        """Load a checkpoint; the error-feedback residuals start over (they were left by steps
+        after the checkpoint, for parameters it no longer holds)."""
         self._skip_step = False
         if "stella_momentum_correction" in state_dict:
             state_dict = dict(state_dict)
@@ -404,6 +406,7 @@ class _DistributedOptimizer(BucketedOptimizer, AdjustedOptimizer):
             if b.handle is not None:
                 synchronize(b.handle)
             b.handle, b.compressed = None, None
+        self._memory.reset()
         self._start_step()
         self._synchronized = False
         for p in self._params:

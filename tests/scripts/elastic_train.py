@@ -16,6 +16,8 @@ p.add_argument("--commit-every", type=int, default=5)
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
 p.add_argument("--width", type=int, default=256)
 p.add_argument("--raise-at", type=int, default=0, help="raise ValueError on rank 0 at this step (a script bug)")
+p.add_argument("--engine", choices=["sync", "cpu"], default="sync",
+               help="the synchronous optimizer, or the CPU engine (engine='cpu', staleness 1)")
 p.add_argument("--out")
 args = p.parse_args()
 
@@ -25,7 +27,8 @@ torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(64, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 8))
 base = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9)
 opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                               compression=hvd.Compression.topk(density=0.05))
+                               compression=hvd.Compression.topk(density=0.05),
+                               **(dict(engine="cpu", staleness=1, model=model) if args.engine == "cpu" else {}))
 target = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
 state = hvd.elastic.TorchState(model, opt, step=0)
 
@@ -64,6 +67,8 @@ def train(state):
 
 
 train(state)
+if args.engine == "cpu":
+    opt.drain()   # the exact master weights into the model (collective)
 flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
 everyone = hvd.allgather(flat.unsqueeze(0), name="final")
 identical = all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
