@@ -79,9 +79,9 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     extra = getattr(optimizer, "_stella_sync_state", None)
-    # state of stella's own outside torch's per-parameter state (local steps), or all of it (the
-    # CPU engine: True, nothing more to do)
-    if extra is not None and extra(root_rank):
+    if extra is not None:   # state of stella's own outside torch's per-parameter state (local steps)
+        extra(root_rank)
+    if getattr(optimizer, "_stella_sharded_state", False):   # all of it was (the CPU engine)
         return
     base = getattr(optimizer, "_stella_base_class", None)
     state_dict = optimizer.state_dict()

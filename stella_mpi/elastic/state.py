@@ -146,10 +146,10 @@ class _OptimizerHandler(_Handler):
     def sync(self, root_rank, name):
         # an optimizer whose state is sharded over the ranks (the CPU engine) syncs all of it from
         # what the root loaded: a state_dict() there is collective, and only the root has loaded
-        whole = getattr(self.value, "_stella_sync_state", None)
-        if whole is not None and whole(root_rank):
-            return
-        super().sync(root_rank, name)
+        if getattr(self.value, "_stella_sharded_state", False):
+            self.value._stella_sync_state(root_rank)
+        else:
+            super().sync(root_rank, name)
 
 
 class _ModelHandler(_Handler):

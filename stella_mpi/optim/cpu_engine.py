@@ -186,6 +186,9 @@ def execute_cpu_master(pset, desc, inputs, joined):
 class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
     """Methods of the optimizer DistributedOptimizer returns with engine="cpu" (mixed in before
     the user's class)."""
+    # its whole state is its own, sharded over the ranks: _stella_sync_state syncs all of it, and a
+    # state_dict() is collective (broadcast_optimizer_state and elastic sync read this)
+    _stella_sharded_state = True
 
     def __init__(self, params, named_parameters, compression, staleness, semantics, process_set,
                  adjuster=None, staleness_warmup=0, stale_prediction=None, momentum_correction=False):
@@ -494,14 +497,12 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         """broadcast_optimizer_state: ``root_rank``'s whole engine state on every rank (collective).
         The state is sharded over the cluster's ranks, so after Horovod's "rank 0 loads a
         checkpoint" only rank 0's shard holds it: the checkpoint rank 0 loaded since its last
-        step is what goes out, else the state gathered from the shards. Returns True: torch's
-        per-parameter state, which this optimizer does not keep, needs nothing more."""
+        step is what goes out, else the state gathered from the shards."""
         sd = broadcast_object(self._loaded if rank() == root_rank else None, root_rank, name="cpu_engine.loaded")
         if sd is None:
             sd = self.state_dict()
             sd = broadcast_object(sd if rank() == root_rank else None, root_rank, name="cpu_engine.state")
         self.load_state_dict(sd)
-        return True
 
     def state_dict(self):
         """Collective (call it on every rank): the full master weights and optimizer state of every

@@ -54,20 +54,28 @@ if mode == "corrupt_thc_scale":
         bad[:-1] = float("nan")   # the block maxima; the NaN flag (last) stays as it was
         return bad
     reduce_tampered(nan_scales, hvd.Compression.thc(bits=4), "thc.grad")
-if mode in ("failing_op", "failing_op_all"):
-    # the third allreduce fails inside the collective thread (as a broken transport would), on
-    # rank 1 alone or on every rank (``failing_op_all``): a caller must get an error, never its
-    # un-reduced buffer, and the whole job must end
+def at_third_allreduce(act):
+    """Run ``act()`` inside this rank's third allreduce, after the ranks agreed to run it."""
     from stella_mpi.core import executors
     real = executors.EXECUTORS["allreduce"]
     calls = [0]
 
-    def failing(pset, desc, inputs, joined):
+    def wrapped(pset, desc, inputs, joined):
         calls[0] += 1
-        if (hvd.rank() == 1 or mode == "failing_op_all") and calls[0] == 3:
-            raise RuntimeError("injected transport failure")
+        if calls[0] == 3:
+            act()
         return real.run(pset, desc, inputs, joined)
-    executors.EXECUTORS["allreduce"] = executors.Executor(failing, real.neutral)
+    executors.EXECUTORS["allreduce"] = executors.Executor(wrapped, real.neutral)
+
+
+if mode in ("failing_op", "failing_op_all"):
+    # the third allreduce fails inside the collective thread (as a broken transport would), on
+    # rank 1 alone or on every rank (``failing_op_all``): a caller must get an error, never its
+    # un-reduced buffer, and the whole job must end
+    if hvd.rank() == 1 or mode == "failing_op_all":
+        def fail():
+            raise RuntimeError("injected transport failure")
+        at_third_allreduce(fail)
     for step in range(50):
         try:
             out = hvd.allreduce(torch.full((1000,), float(hvd.rank())), name="fo.%d" % step)
@@ -83,16 +91,8 @@ if mode == "freeze_in_op":
     # rank 3 freezes inside the third allreduce, after the ranks agreed to run it: rank 2, its
     # cluster's other rank, then waits inside gloo for it, and must still answer the others'
     # questions of where it waits (only rank 3 is silent)
-    from stella_mpi.core import executors
-    real = executors.EXECUTORS["allreduce"]
-    calls = [0]
-
-    def freezing(pset, desc, inputs, joined):
-        calls[0] += 1
-        if hvd.rank() == 3 and calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return real.run(pset, desc, inputs, joined)
-    executors.EXECUTORS["allreduce"] = executors.Executor(freezing, real.neutral)
+    if hvd.rank() == 3:
+        at_third_allreduce(lambda: os.kill(os.getpid(), signal.SIGSTOP))
     for step in range(50):
         hvd.allreduce(torch.ones(1000), name="fz.%d" % step)
     print("rank %d finished without noticing the failure" % hvd.rank())
