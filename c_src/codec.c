@@ -29,6 +29,34 @@ static int value_size(int vd) {
 static inline int64_t nblocks_of(int64_t n) { return (n + 15) / 16; }
 static inline int64_t nseg_of(int64_t n) { return (n + STELLA_SEGMENT - 1) / STELLA_SEGMENT; }
 static inline int64_t block_len(int64_t n, int64_t b) { int64_t l = n - b * 16; return l < 16 ? l : 16; }
+static inline int block_id_width(int64_t n) { return nblocks_of(n) <= 65536 ? 2 : 4; }
+
+/* Is idx[i] the first of a whole block of idx[0..k) (ascending, < n)? Its length if so, else 0. */
+static inline int64_t whole_block_at(const uint32_t *idx, int64_t i, int64_t k, int64_t n) {
+    int64_t first = idx[i];
+    if (first % 16) return 0;
+    int64_t len = block_len(n, first / 16);
+    /* ascending distinct values: the block is complete iff its last one is first+len-1 */
+    return i + len <= k && (int64_t)idx[i + len - 1] == first + len - 1 ? len : 0;
+}
+
+/* The MIXED layout of idx[0..k): the whole blocks among the indices (*nb of them, holding
+ * *in_blocks entries); the other k - *in_blocks entries are singles. */
+static void mixed_layout(const uint32_t *idx, int64_t k, int64_t n, int64_t *nb, int64_t *in_blocks) {
+    int64_t i = 0, b = 0, e = 0;
+    while (i < k) {
+        int64_t len = whole_block_at(idx, i, k, n);
+        if (len) { b++; e += len; i += len; } else i++;
+    }
+    *nb = b;
+    *in_blocks = e;
+}
+
+/* n < 2^31 bounds every term: no int64 overflow is possible */
+static int64_t mixed_size(int64_t n, int64_t nb, int64_t in_blocks, int64_t singles, int vs) {
+    return STELLA_PAYLOAD_HEADER + block_id_width(n) * nb + 4 * nseg_of(n) + 2 * singles
+           + (int64_t)vs * (in_blocks + singles);
+}
 
 int stella_payload_size(int64_t n, int64_t entries, int64_t nblocks, int scheme, int value_dtype, int64_t *nbytes) {
     if (!nbytes) return STELLA_ERR_NULL;
@@ -94,18 +122,58 @@ static int check_sorted(const uint32_t *idx, int64_t k, int64_t n) {
 
 /* Blocks if idx (ascending, < n) is exactly whole blocks, else -1. */
 static int64_t count_whole_blocks(const uint32_t *idx, int64_t k, int64_t n) {
-    int64_t i = 0, nb = 0;
-    while (i < k) {
-        int64_t first = idx[i];
-        if (first % 16) return -1;
-        int64_t len = block_len(n, first / 16);
-        if (i + len > k) return -1;
-        /* ascending distinct values: the block is complete iff its last one is first+len-1 */
-        if ((int64_t)idx[i + len - 1] != first + len - 1) return -1;
-        i += len;
-        nb++;
+    int64_t nb, in_blocks;
+    mixed_layout(idx, k, n, &nb, &in_blocks);
+    return in_blocks == k ? nb : -1;
+}
+
+/* What stella_sparse_encode writes for idx[0..k) (checked: ascending, < n) with scheme:
+ * the scheme AUTO resolves to, the exact size, and the MIXED layout. */
+typedef struct { int scheme; int64_t size, nb, in_blocks; } payload_plan;
+
+static int plan_payload(const uint32_t *idx, int64_t k, int64_t n, int scheme, int vd, payload_plan *pl) {
+    int vs = value_size(vd);
+    int64_t nb = 0, in_blocks = 0, whole = -1;
+    if (vs < 0 || scheme < STELLA_IDX_AUTO || scheme > STELLA_IDX_MIXED || scheme == STELLA_IDX_IMPLICIT)
+        return STELLA_ERR_ARG;
+    if (scheme != STELLA_IDX_U32 && scheme != STELLA_IDX_SEG16 && scheme != STELLA_IDX_DENSE) {
+        mixed_layout(idx, k, n, &nb, &in_blocks);
+        if (in_blocks == k) whole = nb;
     }
-    return nb;
+    int automatic = scheme == STELLA_IDX_AUTO;
+    if (automatic) stella_choose_scheme(n, k, whole, &scheme);
+    int64_t size = -1;
+    if (scheme == STELLA_IDX_MIXED) {
+        if (nb == 0) return STELLA_ERR_ARG;
+        size = mixed_size(n, nb, in_blocks, k - in_blocks, vs);
+    } else {
+        if ((scheme == STELLA_IDX_BLOCK16 || scheme == STELLA_IDX_BLOCK32) && whole < 0) return STELLA_ERR_ARG;
+        int rc = stella_payload_size(n, k, whole, scheme, vd, &size);
+        if (rc) return rc; /* e.g. DENSE with k != n, BLOCK16 on a large tensor */
+        if (automatic && nb > 0 && in_blocks < k) {
+            int64_t m = mixed_size(n, nb, in_blocks, k - in_blocks, vs);
+            if (m < size) { scheme = STELLA_IDX_MIXED; size = m; }
+        }
+    }
+    pl->scheme = scheme;
+    pl->size = size;
+    pl->nb = nb;
+    pl->in_blocks = in_blocks;
+    return STELLA_OK;
+}
+
+int stella_encoded_size(const uint32_t *idx, int64_t k, int64_t n, int scheme, int value_dtype,
+                        int64_t *nbytes, int *chosen) {
+    if (!nbytes) return STELLA_ERR_NULL;
+    if (n < 0 || n > STELLA_SPARSE_MAX_N || k < 0 || k > n) return STELLA_ERR_ARG;
+    if (k > 0 && !idx) return STELLA_ERR_NULL;
+    if (!check_sorted(idx, k, n)) return STELLA_ERR_ARG;
+    payload_plan pl;
+    int rc = plan_payload(idx, k, n, scheme, value_dtype, &pl);
+    if (rc) return rc;
+    *nbytes = pl.size;
+    if (chosen) *chosen = pl.scheme;
+    return STELLA_OK;
 }
 
 int stella_whole_blocks(const uint32_t *idx, int64_t k, int64_t n, int64_t *nblocks) {
@@ -155,21 +223,19 @@ int stella_sparse_encode(const uint32_t *idx, const float *val, int64_t k, int64
     if (!written) return STELLA_ERR_NULL;
     if (n < 0 || n > STELLA_SPARSE_MAX_N || k < 0 || k > n || cap < 0) return STELLA_ERR_ARG;
     if (value_size(value_dtype) < 0) return STELLA_ERR_ARG;
-    if (scheme < STELLA_IDX_AUTO || scheme > STELLA_IDX_DENSE) return STELLA_ERR_ARG;
+    if (scheme < STELLA_IDX_AUTO || scheme > STELLA_IDX_MIXED || scheme == STELLA_IDX_IMPLICIT) return STELLA_ERR_ARG;
     if (k > 0 && (!idx || !val)) return STELLA_ERR_NULL;
     if (!out) return STELLA_ERR_NULL;
     if (!check_sorted(idx, k, n)) return STELLA_ERR_ARG;
-    int64_t nb = -1;
-    if (scheme == STELLA_IDX_AUTO || scheme == STELLA_IDX_BLOCK16 || scheme == STELLA_IDX_BLOCK32)
-        nb = count_whole_blocks(idx, k, n);
-    if (scheme == STELLA_IDX_AUTO) stella_choose_scheme(n, k, nb, &scheme);
-    if ((scheme == STELLA_IDX_BLOCK16 || scheme == STELLA_IDX_BLOCK32) && nb < 0) return STELLA_ERR_ARG;
-    int64_t size;
-    int rc = stella_payload_size(n, k, nb, scheme, value_dtype, &size);
-    if (rc) return rc; /* e.g. DENSE with k != n, BLOCK16 on a large tensor */
+    payload_plan pl;
+    int rc = plan_payload(idx, k, n, scheme, value_dtype, &pl);
+    if (rc) return rc;
+    scheme = pl.scheme;
+    int64_t size = pl.size, nb = pl.nb;
     if (cap < size) return STELLA_ERR_SIZE;
     uint8_t *p = out + STELLA_PAYLOAD_HEADER;
     int64_t count = k;
+    uint64_t key = 0;
     switch (scheme) {
     case STELLA_IDX_U32:
         if (k) memcpy(p, idx, (size_t)k * 4);
@@ -201,12 +267,37 @@ int stella_sparse_encode(const uint32_t *idx, const float *val, int64_t k, int64
         count = nb;
         break;
     }
+    case STELLA_IDX_MIXED: {
+        int w = block_id_width(n);
+        int64_t nseg = nseg_of(n), singles = k - pl.in_blocks, i = 0, b = 0, j = 0;
+        uint8_t *seg = p + w * nb, *offs = seg + 4 * nseg;
+        memset(seg, 0, (size_t)(4 * nseg));
+        while (i < k) {
+            int64_t len = whole_block_at(idx, i, k, n);
+            if (len) {
+                uint32_t id = idx[i] / 16;
+                if (w == 2) wr16(p + 2 * b, (uint16_t)id); else wr32(p + 4 * b, id);
+                b++;
+                i += len;
+            } else {
+                uint8_t *c = seg + 4 * (idx[i] / STELLA_SEGMENT);
+                wr32(c, rd32(c) + 1);
+                wr16(offs + 2 * j, (uint16_t)(idx[i] & 0xffffu));
+                j++;
+                i++;
+            }
+        }
+        p = offs + 2 * singles;
+        count = nb;
+        key = (uint64_t)singles;
+        break;
+    }
     case STELLA_IDX_DENSE:
         break;
     default:
         return STELLA_ERR_ARG;
     }
-    write_header(out, scheme, value_dtype, n, count, 0);
+    write_header(out, scheme, value_dtype, n, count, key);
     write_values(p, val, k, value_dtype);
     *written = size;
     return STELLA_OK;
@@ -235,12 +326,28 @@ int stella_sparse_decode_info(const uint8_t *buf, int64_t len, int64_t n, stella
     if (len < STELLA_PAYLOAD_HEADER) return STELLA_ERR_MALFORMED;
     if (memcmp(buf, MAGIC, 4) != 0 || buf[4] != VERSION || buf[7] != 0) return STELLA_ERR_MALFORMED;
     int scheme = buf[5], vd = buf[6];
-    if (scheme > STELLA_IDX_IMPLICIT || value_size(vd) < 0) return STELLA_ERR_MALFORMED;
+    if (scheme > STELLA_IDX_MIXED || value_size(vd) < 0) return STELLA_ERR_MALFORMED;
     uint64_t hn = rd64(buf + 8), count = rd64(buf + 16), key = rd64(buf + 24);
     if (hn != (uint64_t)n) return STELLA_ERR_MALFORMED;
-    if (scheme != STELLA_IDX_IMPLICIT && key != 0) return STELLA_ERR_MALFORMED;
-    int64_t entries, nblocks = 0;
-    if (scheme == STELLA_IDX_BLOCK16 || scheme == STELLA_IDX_BLOCK32) {
+    if (scheme != STELLA_IDX_IMPLICIT && scheme != STELLA_IDX_MIXED && key != 0) return STELLA_ERR_MALFORMED;
+    int64_t entries, nblocks = 0, size = -1;
+    if (scheme == STELLA_IDX_MIXED) {
+        int64_t nbt = nblocks_of(n);
+        int w = block_id_width(n);
+        if (count > (uint64_t)nbt || key > (uint64_t)n) return STELLA_ERR_MALFORMED;
+        nblocks = (int64_t)count;
+        if (len < STELLA_PAYLOAD_HEADER + w * nblocks) return STELLA_ERR_MALFORMED;
+        int64_t in_blocks = 16 * nblocks;
+        if (nblocks > 0) {
+            const uint8_t *last = buf + STELLA_PAYLOAD_HEADER + w * (nblocks - 1);
+            int64_t lid = w == 2 ? rd16(last) : rd32(last);
+            if (lid >= nbt) return STELLA_ERR_MALFORMED;
+            in_blocks -= 16 - block_len(n, lid);
+        }
+        entries = in_blocks + (int64_t)key;
+        if (entries > n) return STELLA_ERR_MALFORMED;
+        size = mixed_size(n, nblocks, in_blocks, (int64_t)key, value_size(vd));
+    } else if (scheme == STELLA_IDX_BLOCK16 || scheme == STELLA_IDX_BLOCK32) {
         int64_t nbt = nblocks_of(n);
         if (count > (uint64_t)nbt) return STELLA_ERR_MALFORMED;
         if (scheme == STELLA_IDX_BLOCK16 && nbt > 65536) return STELLA_ERR_MALFORMED;
@@ -259,8 +366,8 @@ int stella_sparse_decode_info(const uint8_t *buf, int64_t len, int64_t n, stella
         entries = (int64_t)count;
         if (scheme == STELLA_IDX_DENSE && entries != n) return STELLA_ERR_MALFORMED;
     }
-    int64_t size;
-    if (stella_payload_size(n, entries, nblocks, scheme, vd, &size) != STELLA_OK) return STELLA_ERR_MALFORMED;
+    if (scheme != STELLA_IDX_MIXED && stella_payload_size(n, entries, nblocks, scheme, vd, &size) != STELLA_OK)
+        return STELLA_ERR_MALFORMED;
     if (size != len) return STELLA_ERR_MALFORMED;
     info->n = n;
     info->count = (int64_t)count;
@@ -332,6 +439,45 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
         }
         if (j != k) return STELLA_ERR_MALFORMED;
         p += w * info.count;
+        break;
+    }
+    case STELLA_IDX_MIXED: {
+        int w = block_id_width(n);
+        int64_t nbt = nblocks_of(n), nseg = nseg_of(n), nb = info.count, m = (int64_t)info.key;
+        const uint8_t *seg = p + w * nb, *offs = seg + 4 * nseg;
+        /* the singles first, validated as SEG16, into the end of idx ... */
+        uint32_t *singles = idx + (k - m);
+        int64_t j = 0;
+        for (int64_t s = 0; s < nseg; s++) {
+            int64_t c = rd32(seg + 4 * s), base = s * STELLA_SEGMENT, prev = -1;
+            int64_t seg_len = n - base;
+            if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
+            if (c > seg_len || c > m - j) return STELLA_ERR_MALFORMED;
+            for (int64_t t = 0; t < c; t++, j++) {
+                int64_t off = rd16(offs + 2 * j);
+                if (off <= prev || base + off >= n) return STELLA_ERR_MALFORMED;
+                singles[j] = (uint32_t)(base + off);
+                prev = off;
+            }
+        }
+        if (j != m) return STELLA_ERR_MALFORMED;
+        /* ... then the blocks merged in front of them, in place: the entries written never
+         * reach the next single still to be read (o <= k - m + t) */
+        int64_t o = 0, t = 0, prev = -1;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t id = w == 2 ? rd16(p + 2 * b) : rd32(p + 4 * b);
+            if (id <= prev || id >= nbt) return STELLA_ERR_MALFORMED;
+            int64_t start = id * 16, bl = block_len(n, id);
+            while (t < m && (int64_t)singles[t] < start) idx[o++] = singles[t++];
+            if (t < m && (int64_t)singles[t] < start + bl) return STELLA_ERR_MALFORMED; /* a single in a block */
+            if (o + bl > k - m + t) return STELLA_ERR_MALFORMED; /* cannot happen once ordered; kept as a guard */
+            for (int64_t q = 0; q < bl; q++) idx[o + q] = (uint32_t)(start + q);
+            o += bl;
+            prev = id;
+        }
+        while (t < m) idx[o++] = singles[t++];
+        if (o != k) return STELLA_ERR_MALFORMED;
+        p = offs + 2 * m;
         break;
     }
     case STELLA_IDX_DENSE:

@@ -8,8 +8,9 @@
  *   byte  6      value dtype (enum stella_value_dtype)
  *   byte  7      reserved, 0
  *   bytes 8..15  n: numel of the dense tensor
- *   bytes 16..23 count: entries (U32, SEG16, DENSE, IMPLICIT) or blocks (BLOCK16, BLOCK32)
- *   bytes 24..31 key: the random-k key for IMPLICIT, 0 otherwise
+ *   bytes 16..23 count: entries (U32, SEG16, DENSE, IMPLICIT) or blocks (BLOCK16, BLOCK32, MIXED)
+ *   bytes 24..31 key: the random-k key for IMPLICIT, the number of single entries for MIXED,
+ *                0 otherwise
  *   index section:
  *     U32      count x uint32 index
  *     SEG16    ceil(n / 65536) x uint32 entries per 64K segment, then count x uint16
@@ -18,7 +19,12 @@
  *     BLOCK32  count x uint32 block id
  *     DENSE    none (count == n, every index in order)
  *     IMPLICIT none (random-k: indices regenerated from key, n and count)
- *   value section: one value per entry, float32, float16 or bfloat16.
+ *     MIXED    whole blocks and single entries: count block ids (uint16 when
+ *              ceil(n/16) <= 65536, else uint32), then the singles as in SEG16
+ *              (ceil(n / 65536) x uint32 singles per segment, then one uint16
+ *              offset each); no single lies in a listed block
+ *   value section: one value per entry, float32, float16 or bfloat16, in
+ *   ascending index order (for MIXED: of the union of blocks and singles).
  * Decoding treats the payload as untrusted: every header field, the exact
  * length, strict ascending order and the range of every index are checked.
  */
@@ -33,7 +39,8 @@ enum stella_index_scheme {
     STELLA_IDX_BLOCK16 = 2,
     STELLA_IDX_BLOCK32 = 3,
     STELLA_IDX_DENSE = 4,
-    STELLA_IDX_IMPLICIT = 5
+    STELLA_IDX_IMPLICIT = 5,
+    STELLA_IDX_MIXED = 6      /* AUTO picks it for whole blocks plus single entries */
 };
 
 enum stella_value_dtype {
@@ -57,7 +64,8 @@ typedef struct {
     uint64_t key;
 } stella_payload_info;
 
-/* Exact payload size for a scheme (AUTO not allowed): entries pairs, of which
+/* Exact payload size for a scheme (AUTO and MIXED not allowed: a MIXED size
+ * depends on the indices, see stella_encoded_size): entries pairs, of which
  * nblocks blocks for the BLOCK schemes (ignored otherwise). Overflow-checked. */
 int stella_payload_size(int64_t n, int64_t entries, int64_t nblocks, int scheme, int value_dtype,
                         int64_t *nbytes);
@@ -67,13 +75,20 @@ int stella_payload_bound(int64_t n, int64_t k, int value_dtype, int64_t *nbytes)
 /* The scheme AUTO picks for k ascending indices < n; whole_blocks is the
  * number of blocks when the indices are exactly whole blocks, else -1. */
 int stella_choose_scheme(int64_t n, int64_t k, int64_t whole_blocks, int *scheme);
+/* Exact size of the payload stella_sparse_encode writes for k ascending indices
+ * < n with this scheme (AUTO: the one it picks, returned in *chosen, which may
+ * be NULL). STELLA_ERR_ARG where the scheme cannot carry these indices. */
+int stella_encoded_size(const uint32_t *idx, int64_t k, int64_t n, int scheme, int value_dtype,
+                        int64_t *nbytes, int *chosen);
 /* Number of blocks if idx[0..k) is exactly a set of whole blocks (the short
  * tail block counts when complete up to n), else -1. idx must be ascending < n. */
 int stella_whole_blocks(const uint32_t *idx, int64_t k, int64_t n, int64_t *nblocks);
 
 /* Encode k entries (idx strictly ascending, each < n). scheme: AUTO or an
  * explicit one the indices allow (DENSE needs k == n and idx = 0..n-1, BLOCK*
- * needs whole blocks; IMPLICIT is refused here: use stella_randomk_encode).
+ * needs whole blocks, MIXED at least one whole block; IMPLICIT is refused here:
+ * use stella_randomk_encode). AUTO picks the smallest payload, MIXED included
+ * (whole aligned blocks among the indices go as block ids, the rest as singles).
  * out has cap bytes; *written gets the payload length. */
 int stella_sparse_encode(const uint32_t *idx, const float *val, int64_t k, int64_t n,
                          int scheme, int value_dtype, uint8_t *out, int64_t cap, int64_t *written);

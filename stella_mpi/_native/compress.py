@@ -19,7 +19,7 @@ SEGMENT = int(lib.STELLA_SEGMENT)   # entries per segment of the 16-bit offset s
 
 SCHEMES = {"auto": lib.STELLA_IDX_AUTO, "u32": lib.STELLA_IDX_U32, "seg16": lib.STELLA_IDX_SEG16,
            "block16": lib.STELLA_IDX_BLOCK16, "block32": lib.STELLA_IDX_BLOCK32, "dense": lib.STELLA_IDX_DENSE,
-           "implicit": lib.STELLA_IDX_IMPLICIT}
+           "implicit": lib.STELLA_IDX_IMPLICIT, "mixed": lib.STELLA_IDX_MIXED}
 SCHEME_NAMES = {v: k for k, v in SCHEMES.items()}
 VALUE_DTYPES = {"float32": lib.STELLA_VAL_F32, "float16": lib.STELLA_VAL_F16, "bfloat16": lib.STELLA_VAL_BF16}
 _TORCH_VALUE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -184,6 +184,16 @@ def choose_scheme(n, k, whole_blocks=-1):
     return SCHEME_NAMES[out[0]]
 
 
+def encoded_size(idx, n, scheme="auto", value_dtype="float32"):
+    """(bytes, scheme) of the payload :func:`encode` writes for ascending indices < n with
+    ``scheme`` (``auto`` resolved to the one it picks; ``mixed``'s size depends on the indices)."""
+    ip, k = pointer(idx, torch.int32, "indices")
+    out, chosen = ffi.new("int64_t *"), ffi.new("int *")
+    check(lib.stella_encoded_size(ip, k, int(n), SCHEMES[scheme], VALUE_DTYPES[value_dtype_name(value_dtype)], out,
+                                  chosen), "stella_encoded_size")
+    return out[0], SCHEME_NAMES[chosen[0]]
+
+
 def _pair_ptrs(idx, val, what):
     ip, k = pointer(idx, torch.int32, what + " indices")
     vp, kv = pointer(val, torch.float32, what + " values")
@@ -198,8 +208,8 @@ def encode(idx, val, n, scheme="auto", value_dtype="float32"):
     ip, vp, k = _pair_ptrs(idx, val, "encode")
     n = int(n)
     _check_n(n, "tensor")
-    if scheme == "seg16":
-        cap = payload_size(n, k, 0, "seg16", value_dtype)
+    if scheme in ("seg16", "mixed"):
+        cap = encoded_size(idx, n, scheme, value_dtype)[0]
     else:
         bound = ffi.new("int64_t *")
         check(lib.stella_payload_bound(n, k, vd, bound), "stella_payload_bound")

@@ -25,6 +25,7 @@ static void roundtrip(const uint32_t *idx, const float *val, int64_t k, int64_t 
     int64_t bound, size, got;
     CHECK_EQ_INT(stella_payload_bound(n, k, vd, &bound), STELLA_OK); /* covers AUTO */
     if (scheme == STELLA_IDX_SEG16) CHECK_EQ_INT(stella_payload_size(n, k, 0, scheme, vd, &bound), STELLA_OK);
+    if (scheme == STELLA_IDX_MIXED) CHECK_EQ_INT(stella_encoded_size(idx, k, n, scheme, vd, &bound, NULL), STELLA_OK);
     uint8_t *buf = malloc(bound + 8);
     uint32_t *di = malloc((k + 1) * 4);
     float *dv = malloc((k + 1) * 4);
@@ -34,6 +35,11 @@ static void roundtrip(const uint32_t *idx, const float *val, int64_t k, int64_t 
     stella_payload_info info;
     CHECK_EQ_INT(stella_sparse_decode_info(buf, size, n, &info), STELLA_OK);
     if (want_scheme >= 0) CHECK_EQ_INT(info.scheme, want_scheme);
+    int64_t planned;
+    int chosen;
+    CHECK_EQ_INT(stella_encoded_size(idx, k, n, scheme, vd, &planned, &chosen), STELLA_OK);
+    CHECK_EQ_INT(planned, size);
+    CHECK_EQ_INT(chosen, info.scheme);
     CHECK_EQ_INT(info.entries, k);
     CHECK_EQ_INT(info.nbytes, size);
     CHECK_EQ_INT(stella_sparse_decode(buf, size, n, 0, di, dv, k, &got), STELLA_OK);
@@ -105,6 +111,98 @@ static void test_roundtrips(void) {
                 CHECK_EQ_INT(wb, -1);
             }
         }
+        free(idx); free(val);
+    }
+}
+
+/* Whole blocks (every 5th) and single entries (drawn with probability p outside them); the
+ * numpy-free reference is the index list itself: decode must give it back. */
+static int64_t mixed_indices(uint32_t *idx, int64_t n, double p, int64_t *nblocks, int64_t *nsingles) {
+    int64_t k = 0, nb = (n + 15) / 16;
+    *nblocks = *nsingles = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t len = n - b * 16 < 16 ? n - b * 16 : 16;
+        if (b == 0 || b % 5 == 2 || (b == nb - 1 && nb % 2)) {
+            for (int64_t t = 0; t < len; t++) idx[k++] = (uint32_t)(b * 16 + t);
+            (*nblocks)++;
+            continue;
+        }
+        int64_t before = k;
+        for (int64_t t = 0; t < len; t++)
+            if ((double)(rnd() >> 11) / 9007199254740992.0 < p) idx[k++] = (uint32_t)(b * 16 + t);
+        if (k - before == len && len > 0) { (*nblocks)++; continue; }   /* drawn whole: a block */
+        *nsingles += k - before;
+    }
+    return k;
+}
+
+static void test_mixed(void) {
+    const int64_t sizes[] = {17, 33, 255, 65535, 65536, 65537, 131073, (1 << 20), (1 << 20) + 1, (1 << 20) + 33};
+    for (size_t a = 0; a < sizeof sizes / sizeof sizes[0]; a++) {
+        int64_t n = sizes[a];
+        uint32_t *idx = malloc(n * 4);
+        float *val = malloc(n * 4);
+        for (int64_t i = 0; i < n; i++) { uint32_t u = (uint32_t)rnd(); memcpy(&val[i], &u, 4); }
+        const double ps[] = {0.001, 0.05, 0.5};
+        for (size_t b = 0; b < sizeof ps / sizeof ps[0]; b++) {
+            int64_t nb, ns, k = mixed_indices(idx, n, ps[b], &nb, &ns);
+            int64_t seg, mixed, u32;
+            CHECK_EQ_INT(stella_payload_size(n, k, 0, STELLA_IDX_SEG16, STELLA_VAL_F32, &seg), STELLA_OK);
+            CHECK_EQ_INT(stella_payload_size(n, k, 0, STELLA_IDX_U32, STELLA_VAL_F32, &u32), STELLA_OK);
+            CHECK_EQ_INT(stella_encoded_size(idx, k, n, STELLA_IDX_MIXED, STELLA_VAL_F32, &mixed, NULL), STELLA_OK);
+            int64_t nseg = (n + 65535) / 65536, in_blocks = k - ns, w = (n + 15) / 16 <= 65536 ? 2 : 4;
+            CHECK_EQ_INT(mixed, 32 + w * nb + 4 * nseg + 2 * ns + 4 * k);   /* the layout's own arithmetic */
+            CHECK(in_blocks > 0);
+            CHECK(mixed <= seg);   /* equal only when the one block is a tail of one entry */
+            for (int vd = 0; vd < 3; vd++) {
+                roundtrip(idx, val, k, n, STELLA_IDX_AUTO, vd, ns > 0 && mixed < u32 && mixed < seg ? STELLA_IDX_MIXED : -1);
+                roundtrip(idx, val, k, n, STELLA_IDX_MIXED, vd, STELLA_IDX_MIXED);
+            }
+            /* malformed: a single moved into a listed block; singles out of order; a count off by one */
+            if (ns > 0) {
+                int64_t bound, size, got;
+                stella_encoded_size(idx, k, n, STELLA_IDX_MIXED, STELLA_VAL_F32, &bound, NULL);
+                uint8_t *buf = malloc(bound);
+                uint32_t *di = malloc(k * 4);
+                float *dv = malloc(k * 4);
+                CHECK_EQ_INT(stella_sparse_encode(idx, val, k, n, STELLA_IDX_MIXED, STELLA_VAL_F32, buf, bound, &size),
+                             STELLA_OK);
+                uint8_t *offs = buf + 32 + w * nb + 4 * nseg;
+                uint32_t first_block;
+                if (w == 2) { uint16_t v; memcpy(&v, buf + 32, 2); first_block = v; }
+                else memcpy(&first_block, buf + 32, 4);
+                uint16_t inside = (uint16_t)(first_block * 16 + 3 < (uint32_t)n ? first_block * 16 + 3 : first_block * 16);
+                uint16_t save;
+                uint32_t in_seg0;
+                memcpy(&in_seg0, buf + 32 + w * nb, 4);
+                if (first_block * 16 < 65536 && in_seg0 > 0) {   /* the first single and the first block share segment 0 */
+                    memcpy(&save, offs, 2);
+                    memcpy(offs, &inside, 2);   /* inside the block, or out of order with the next single */
+                    CHECK_EQ_INT(stella_sparse_decode(buf, size, n, 0, di, dv, k, &got), STELLA_ERR_MALFORMED);
+                    memcpy(offs, &save, 2);
+                }
+                if (ns > 1) {
+                    uint16_t a0, a1;
+                    memcpy(&a0, offs, 2); memcpy(&a1, offs + 2, 2);
+                    memcpy(offs, &a1, 2); memcpy(offs + 2, &a0, 2);
+                    CHECK_EQ_INT(stella_sparse_decode(buf, size, n, 0, di, dv, k, &got), STELLA_ERR_MALFORMED);
+                    memcpy(offs, &a0, 2); memcpy(offs + 2, &a1, 2);
+                }
+                uint32_t c0;
+                memcpy(&c0, buf + 32 + w * nb, 4);
+                uint32_t c1 = c0 + 1;
+                memcpy(buf + 32 + w * nb, &c1, 4);
+                CHECK_EQ_INT(stella_sparse_decode(buf, size, n, 0, di, dv, k, &got), STELLA_ERR_MALFORMED);
+                memcpy(buf + 32 + w * nb, &c0, 4);
+                CHECK_EQ_INT(stella_sparse_decode(buf, size, n, 0, di, dv, k, &got), STELLA_OK);
+                free(buf); free(di); free(dv);
+            }
+        }
+        /* MIXED needs a whole block; single entries only are refused */
+        int64_t sz;
+        uint32_t one[2] = {1, 5};
+        CHECK_EQ_INT(stella_encoded_size(one, 2, n, STELLA_IDX_MIXED, STELLA_VAL_F32, &sz, NULL), STELLA_ERR_ARG);
+        CHECK_EQ_INT(stella_payload_size(n, 2, 0, STELLA_IDX_MIXED, STELLA_VAL_F32, &sz), STELLA_ERR_ARG);
         free(idx); free(val);
     }
 }
@@ -316,5 +414,6 @@ int main(void) {
     test_scatter();
     test_merge();
     test_roundtrips();
+    test_mixed();
     TEST_MAIN_END();
 }

@@ -1,6 +1,7 @@
 /* fuzz_decode.c - libFuzzer target: the sparse payload decoder on untrusted
  * bytes. Even first byte: the input is a payload as is. Odd first byte: a
- * valid payload is built from the input (size, indices, scheme, value type)
+ * valid payload is built from the input (size, indices: singles, whole blocks or
+ * both, scheme, value type)
  * and then corrupted at a few input-chosen places, to reach the deep checks.
  * Whatever happens, the decoder must not crash or read/write out of bounds,
  * and everything it accepts must be ascending, in range and re-encodable. */
@@ -55,17 +56,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     /* structured: n, scheme, dtype, then index gaps, then mutations */
     int64_t n = 1 + (sel >> 8) % MAX_N;
-    int scheme = (int)(data[4] % 6) - 1;              /* AUTO .. DENSE */
+    int scheme = (int)(data[4] % 8) - 1;              /* AUTO .. MIXED (IMPLICIT is refused) */
     int vd = data[5] % 3;
     size_t nmut = data[6] % 5, pos = 7;
     uint32_t *idx = malloc((size_t)n * 4);
     float *val = malloc((size_t)n * 4);
     int64_t k = 0, cur = -1;
-    int blocks = data[7] & 1;
+    int mode = data[7] % 3;                          /* singles, whole blocks, or both */
     size_t limit = size > nmut * 3 ? size - nmut * 3 : 0;
     while (pos + 2 <= limit && k < n) {
         uint16_t gap; memcpy(&gap, data + pos, 2); pos += 2;
         int64_t next = cur + 1 + (gap % 4096);
+        int blocks = mode == 1 || (mode == 2 && (gap & 0x8000));
         if (blocks) next = (next + 15) / 16 * 16;
         if (next >= n) break;
         int64_t len = blocks ? (n - next < 16 ? n - next : 16) : 1;

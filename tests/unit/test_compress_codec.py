@@ -27,7 +27,7 @@ def wire_round(val, vd):
 @st.composite
 def selections(draw):
     n = draw(st.sampled_from(BOUNDARY_SIZES) | st.integers(0, 3000))
-    mode = draw(st.sampled_from(["random", "blocks", "dense", "edges"]))
+    mode = draw(st.sampled_from(["random", "blocks", "mixed", "dense", "edges"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if n == 0:
         idx = np.empty(0, np.int64)
@@ -41,6 +41,12 @@ def selections(draw):
             b = np.union1d(b, [nb - 1])  # the short tail block
         idx = (b[:, None] * 16 + np.arange(16)).ravel()
         idx = idx[idx < n]
+    elif mode == "mixed":   # whole blocks and single entries between them
+        nb = (n + 15) // 16
+        b = np.flatnonzero(rng.random(nb) < draw(st.sampled_from([0.02, 0.3])))
+        idx = (b[:, None] * 16 + np.arange(16)).ravel()
+        singles = np.flatnonzero(rng.random(n) < draw(st.sampled_from([1e-3, 0.05, 0.5])))
+        idx = np.union1d(idx[idx < n], singles)
     elif mode == "dense":
         idx = np.arange(n)
     else:  # indices at the segment and block edges
@@ -50,6 +56,14 @@ def selections(draw):
     val = bits.view(np.float32)  # every bit pattern: NaN, Inf, subnormals
     vd = draw(st.sampled_from(list(WIRE)))
     return n, idx.astype(np.int32), val, vd
+
+
+def ref_whole_blocks(idx, n):
+    """The whole aligned blocks among ascending indices (the short tail block when complete)."""
+    present = np.zeros(-(-n // 16) * 16, bool)
+    present[idx] = True
+    present[n:] = True
+    return np.flatnonzero(present.reshape(-1, 16).all(axis=1)).tolist()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -63,12 +77,19 @@ def test_roundtrip_every_boundary(sel):
     di, dv = K.decode(payload, n)
     assert np.array_equal(di.numpy(), idx)
     assert same_bits(dv.numpy(), wire_round(val, vd))
+    assert K.encoded_size(idx, n, "auto", vd) == (payload.numel(), info["scheme"])
     # auto is never larger than any explicit scheme that applies
-    for scheme in ("u32", "seg16"):
-        assert payload.numel() <= K.payload_size(n, idx.size, 0, scheme, vd)
+    schemes = ["u32", "seg16"] + (["mixed"] if ref_whole_blocks(idx, n) else [])
+    for scheme in schemes:
+        size, _ = K.encoded_size(idx, n, scheme, vd)
+        assert payload.numel() <= size
         p2 = K.encode(idx, val, n, scheme, vd)
-        assert K.decode_info(p2, n)["scheme"] == scheme
-        assert np.array_equal(K.decode(p2, n)[0].numpy(), idx)
+        assert p2.numel() == size and K.decode_info(p2, n)["scheme"] == scheme
+        di2, dv2 = K.decode(p2, n)
+        assert np.array_equal(di2.numpy(), idx) and same_bits(dv2.numpy(), wire_round(val, vd))
+    if "mixed" not in schemes:
+        with pytest.raises(ValueError):
+            K.encode(idx, val, n, "mixed", vd)
     if idx.size == n and n > 0:
         assert info["scheme"] == "dense"
 
@@ -143,6 +164,33 @@ def test_sizes_and_scheme_choice_near_2_31():
     assert K.choose_scheme(M, M) == "dense"
     with pytest.raises(ValueError):
         K.choose_scheme(2**31, 1)
+
+
+def test_mixed_payload_layout():
+    """Whole blocks plus singles: block ids, the segment table, 16-bit offsets, then the values
+    in index order; auto picks it; a single inside a listed block is refused."""
+    n = 200_000
+    blocks = np.array([3, 700, 12_000])
+    singles = np.array([5, 47, 11_300, 70_000, 199_999])
+    idx = np.union1d((blocks[:, None] * 16 + np.arange(16)).ravel(), singles).astype(np.int32)
+    val = np.arange(idx.size, dtype=np.float32)
+    p = K.encode(idx, val, n, "auto")
+    info = K.decode_info(p, n)
+    assert info["scheme"] == "mixed" and info["count"] == 3 and info["key"] == 5 and info["entries"] == 53
+    nseg = -(-n // 65536)
+    assert p.numel() == 32 + 2 * 3 + 4 * nseg + 2 * 5 + 4 * 53
+    raw = p.numpy()
+    assert raw[32:38].view(np.uint16).tolist() == blocks.tolist()
+    assert raw[38:38 + 4 * nseg].view(np.uint32).tolist() == [3, 1, 0, 1]
+    assert raw[38 + 4 * nseg:48 + 4 * nseg].view(np.uint16).tolist() == [5, 47, 11_300, 70_000 - 65536, 199_999 - 3 * 65536]
+    di, dv = K.decode(p, n)
+    assert np.array_equal(di.numpy(), idx) and np.array_equal(dv.numpy(), val)
+    bad = raw.copy()
+    bad[38 + 4 * nseg:40 + 4 * nseg] = np.frombuffer(np.uint16(3 * 16 + 2).tobytes(), np.uint8)   # inside block 3
+    with pytest.raises(MalformedPayloadError, match="mixed"):
+        K.decode(torch.from_numpy(bad), n)
+    with pytest.raises(ValueError):
+        K.payload_size(n, 53, 3, "mixed")   # a mixed size depends on the indices: encoded_size
 
 
 def test_block_payload_is_compact():
