@@ -1,7 +1,8 @@
 """Selection quality on real gradients: per layer, the share of the gradient's energy (sum of
 squares) that cache-aware blocks capture against exact top-k, at the same number of entries and at
-the same bytes on the wire, and what a hybrid (fewer blocks plus the strongest single entries
-outside them, same bytes) would capture.
+the same bytes on the wire, and what cache-aware with single entries beside its blocks
+(``Compression.cacheaware(singles=s)``: fewer blocks plus the largest entries outside them, in the
+blocks' bytes) captures, for s = 0.5, 0.7 and 0.85.
 
     .venv/bin/python bench/bench_selection_quality.py [--density 0.01] [--steps 30] [--out FILE]
 
@@ -11,8 +12,8 @@ hidden 1024, trained on the stdlib text), the ~25M-parameter MLP of the benchmar
 (tests/mpi/reference.small_model). Each model trains with SGD (momentum 0.9) on one process; at
 each step every layer's gradient plus its error-feedback residual (acc) is selected by each
 scheme, each with its own residual, as in training. Reported per layer: the mean over steps of
-captured energy / energy of acc. Bytes come from the codec's own payload sizes
-(_native.compress.payload_size), the index scheme the codec would choose.
+captured energy / energy of acc, and each scheme's payload bytes over the blocks' (the codec's own
+encoding of the selection).
 """
 import argparse
 import json
@@ -77,26 +78,6 @@ def topk_within(acc, budget, n):
     return _fast_topk(acc, k_within(n, budget))
 
 
-def hybrid(acc, k, budget, n):
-    """Fewer whole blocks plus the strongest single entries outside them, within ``budget`` bytes
-    (two sections on the wire: block ids with their values, then indices with values): the best
-    over the share of blocks kept (100 %, 85 %, 70 %, 50 %)."""
-    nblocks, _ = kernels.block_count(n, k)
-    best, best_e = None, -1.0
-    for keep in (1.0, 0.85, 0.7, 0.5):
-        nb = max(1, int(round(keep * nblocks)))
-        blocks_idx = device_select.block_topk(acc, nb * BLOCK)[0].long()
-        left = budget - payload_bytes(n, blocks_idx.int())
-        rest = acc.clone()
-        rest[blocks_idx] = 0.0
-        singles = _fast_topk(rest, k_within(n, left) if left > 0 else 0)
-        idx = torch.sort(torch.cat([blocks_idx, singles])).values
-        e = energy(acc, idx)
-        if e > best_e:
-            best, best_e = idx, e
-    return best
-
-
 def models():
     from stdlib_text import ByteBatches, ByteMLP, load_corpus
     from reference import small_model
@@ -115,12 +96,18 @@ def models():
     yield "small_classifier", small_model(), small_batch
 
 
+SINGLES = (0.5, 0.7, 0.85)
+
+
 def measure(name, model, batch, steps, density, min_numel):
+    from stella_mpi.compression import Compression, TensorContext
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = [(n, p) for n, p in model.named_parameters() if p.numel() >= min_numel]
-    schemes = ("topk_same_k", "cacheaware", "topk_same_bytes", "hybrid_same_bytes")
+    hybrids = {"singles%d" % round(100 * s): Compression.cacheaware(density=density, singles=s) for s in SINGLES}
+    schemes = ("topk_same_k", "cacheaware", "topk_same_bytes") + tuple(hybrids)
     residual = {(n, s): torch.zeros(p.numel()) for n, p in params for s in schemes}
     sums = {(n, s): 0.0 for n, _ in params for s in schemes}
+    nbytes = {(n, s): 0 for n, _ in params for s in schemes}
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
@@ -129,15 +116,21 @@ def measure(name, model, batch, steps, density, min_numel):
             g = p.grad.detach().reshape(-1)
             numel = g.numel()
             k = max(1, int(round(density * numel)))
+            ctx = TensorContext(n, step, (numel,))
             for s in schemes:
                 acc = g + residual[(n, s)]
                 if s == "topk_same_k":
                     idx = _fast_topk(acc, k)
                 elif s == "cacheaware":
                     idx = device_select.block_topk(acc, k)[0]
+                elif s == "topk_same_bytes":
+                    idx = topk_within(acc, payload_bytes(numel, device_select.block_topk(acc, k)[0]), numel)
                 else:
-                    budget = payload_bytes(numel, device_select.block_topk(acc, k)[0])
-                    idx = topk_within(acc, budget, numel) if s == "topk_same_bytes" else hybrid(acc, k, budget, numel)
+                    sel = hybrids[s].select(acc, ctx)
+                    idx = sel.indices
+                    nbytes[(n, s)] += hybrids[s].encode(sel, ctx).numel()
+                if s == "cacheaware":
+                    nbytes[(n, s)] += payload_bytes(numel, idx)
                 sums[(n, s)] += energy(acc, idx)
                 res = acc.clone()
                 res[idx.long()] = 0.0
@@ -148,13 +141,15 @@ def measure(name, model, batch, steps, density, min_numel):
         row = {"model": name, "layer": n, "numel": p.numel()}
         for s in schemes:
             row[s] = sums[(n, s)] / steps
+        for s in hybrids:
+            row[s + "_bytes_vs_cacheaware"] = nbytes[(n, s)] / nbytes[(n, "cacheaware")]
         row["cacheaware_vs_topk_same_k"] = row["cacheaware"] / row["topk_same_k"]
         row["cacheaware_vs_topk_same_bytes"] = row["cacheaware"] / row["topk_same_bytes"]
-        row["hybrid_vs_cacheaware"] = row["hybrid_same_bytes"] / row["cacheaware"]
         rows.append(row)
-        print("%-16s %-14s %9d  top-k %.3f  blocks %.3f  top-k same bytes %.3f  hybrid %.3f" % (
+        print("%-16s %-14s %9d  top-k %.3f  blocks %.3f  top-k same bytes %.3f  %s" % (
             name, n, p.numel(), row["topk_same_k"], row["cacheaware"], row["topk_same_bytes"],
-            row["hybrid_same_bytes"]), flush=True)
+            "  ".join("%s %.3f (bytes x%.3f)" % (s, row[s], row[s + "_bytes_vs_cacheaware"]) for s in hybrids)),
+            flush=True)
     return rows
 
 

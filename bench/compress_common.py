@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from stella_mpi._native import compress as K
+from stella_mpi.compression import Compression, Memory, TensorContext
 
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
 DENSITIES = [0.001, 0.01, 0.1]
@@ -33,6 +34,10 @@ class Case:
         self.dst = np.empty_like(self.g)
         self.state_block = K.SelState()
         self.state_topk = K.SelState()
+        self.compressors = {"compressor:cacheaware+ef": Compression.cacheaware(density=density),
+                            "compressor:cacheaware+singles70+ef": Compression.cacheaware(density=density, singles=0.7),
+                            "compressor:topk+ef": Compression.topk(density=density)}
+        self.memory = Memory()
 
     def methods(self):
         g, r, k = self.g, self.residual, self.k
@@ -46,7 +51,13 @@ class Case:
             "randomk+ef": lambda: K.randomk_select(g, k, 12345, residual=r),
             "torch.topk": lambda: torch.topk(self.gt.abs(), k),
             "numpy.copyto": lambda: np.copyto(self.dst, g),
+            # the compressors' whole select(), error feedback included (Python glue and all)
+            **{name: self._select_with(name) for name in self.compressors},
         }
+
+    def _select_with(self, name):
+        comp, ctx = self.compressors[name], TensorContext(name, 0, (self.n,))
+        return lambda: comp.select(self.gt, ctx, memory=self.memory)
 
 
 def energy_capture(x, k):

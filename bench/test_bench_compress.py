@@ -21,7 +21,8 @@ from stella_mpi._native import compress as K  # noqa: E402
 
 torch.set_num_threads(1)
 
-METHODS = ["cacheaware+ef", "topk+ef", "topk", "threshold+ef", "randomk+ef", "torch.topk", "numpy.copyto"]
+METHODS = ["cacheaware+ef", "topk+ef", "topk", "threshold+ef", "randomk+ef", "torch.topk", "numpy.copyto",
+           "compressor:cacheaware+ef", "compressor:cacheaware+singles70+ef", "compressor:topk+ef"]
 _cases = {}
 
 

@@ -30,6 +30,8 @@ def main():
     parser.add_argument("--density", type=float, default=0.01, help="fraction sent across clusters (sparse)")
     parser.add_argument("--bits", type=int, default=4, help="thc: bits per entry across clusters (2 to 8)")
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
+    parser.add_argument("--singles", type=float, default=0.0,
+                        help="cacheaware: share of the bytes spent on single entries beside the blocks")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
@@ -91,8 +93,9 @@ def main():
     elif args.compression == "thc":
         compression = hvd.Compression.thc(bits=args.bits, error_feedback=not args.no_error_feedback)
     else:
+        extra = {"singles": args.singles} if args.singles else {}
         compression = getattr(hvd.Compression, args.compression)(
-            density=args.density, error_feedback=not args.no_error_feedback)
+            density=args.density, error_feedback=not args.no_error_feedback, **extra)
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

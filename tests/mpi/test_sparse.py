@@ -33,11 +33,19 @@ def _cluster_shard_sums(inputs, n):
     return out
 
 
-@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk", "threshold"])
+def _compressor(kind, **kwargs):
+    """A built-in sparse compressor by test name; ``cacheaware+singles``: cache-aware blocks
+    with single entries beside them."""
+    if kind == "cacheaware+singles":
+        return hvd.Compression.cacheaware(singles=0.6, **kwargs)
+    return getattr(hvd.Compression, kind)(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk", "threshold", "cacheaware+singles"])
 def test_density_one_equals_dense(name):
     n = 5000
     x = rank_input(hvd.rank(), (n,), torch.float32, seed=31)
-    comp = getattr(hvd.Compression, name)(density=1.0)
+    comp = _compressor(name, density=1.0)
     got = hvd.allreduce(x, compression=comp, name="dense1.%s" % name)
     want = hvd.allreduce(x, name="dense1.ref.%s" % name)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -105,7 +113,8 @@ def test_topk_matches_reference_pipeline():
     assert (got != 0).sum() <= topo.num_clusters * sum(max(1, round(density * p.numel())) for p in pieces)
 
 
-@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk", "threshold", "topk:float16", "cacheaware:bfloat16"])
+@pytest.mark.parametrize("name", ["topk", "cacheaware", "randomk", "threshold", "topk:float16", "cacheaware:bfloat16",
+                                  "cacheaware+singles", "cacheaware+singles:float16"])
 def test_error_feedback_conserves_the_gradient(name):
     """Over several steps, what was delivered plus what waits in the residuals equals what was
     fed in: nothing is lost, nothing is counted twice; and every rank gets the same result (on
@@ -114,7 +123,7 @@ def test_error_feedback_conserves_the_gradient(name):
     topo = hvd.global_process_set.topology
     n, steps, key = 20011, 4, "ef.%s" % name
     kind, _, dtype = name.partition(":")
-    comp = getattr(hvd.Compression, kind)(density=0.02, value_dtype=dtype or "float32")
+    comp = _compressor(kind, density=0.02, value_dtype=dtype or "float32")
     delivered = torch.zeros(n, dtype=torch.float64)
     fed = torch.zeros(n, dtype=torch.float64)
     for s in range(steps):

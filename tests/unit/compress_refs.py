@@ -48,6 +48,17 @@ def ref_blocks(acc, k):
     return e[e < n]
 
 
+def ref_blocks_and_singles(acc, nblocks, singles):
+    """Cache-aware with singles: the ``nblocks`` best blocks, then the ``singles`` largest
+    entries outside them, those of magnitude 0 left out; ascending."""
+    b = ref_blocks(acc, 16 * nblocks) if nblocks else np.empty(0, np.int64)
+    rest = np.array(acc, np.float32)
+    rest[b] = 0.0
+    s = top_units(keys(rest), min(singles, acc.size))
+    s = s[keys(rest[s]) != 0]
+    return np.sort(np.concatenate([b, s]))
+
+
 def same_bits(a, b):
     """Bitwise equal float32 arrays, any NaN equal to any NaN."""
     a = np.asarray(a, np.float32)

@@ -12,7 +12,7 @@ from stella_mpi.compression.memory import Memory
 from stella_mpi.compression import (CacheAwareCompressor, Selection, SparseCompressor,
                                            merge_selections, scatter_add)
 
-from compress_refs import ref_blocks, ref_topk, same_bits
+from compress_refs import ref_blocks, ref_blocks_and_singles, ref_topk, same_bits
 
 NAMES = ["topk", "cacheaware", "threshold", "randomk"]
 
@@ -96,6 +96,56 @@ def test_small_tensors_use_exact_topk(name):
     assert len(comp.decode(comp.encode(sel, ctx()), ctx(), 0)) == 0
 
 
+@pytest.mark.parametrize("n", [3201, 2**15 - 1, 2**15, 2**16 + 1, 70001, 2**20 + 17])
+@pytest.mark.parametrize("singles", [0.3, 0.7, 0.95])
+@pytest.mark.parametrize("feedback", [True, False])
+def test_cacheaware_singles_match_the_reference(n, singles, feedback):
+    """Cache-aware with singles: fewer blocks, then the largest entries they left (the numpy
+    reference), step after step with error feedback (sent + residual == acc, bit for bit), NaN
+    and Inf sent; on the wire the mixed scheme, in no more bytes than the blocks alone (plus its
+    table of 4 bytes per 64K entries)."""
+    comp = Compression.cacheaware(density=0.01, singles=singles, error_feedback=feedback)
+    blocks_only = Compression.cacheaware(density=0.01)
+    rng = np.random.default_rng(n)
+    mem = Memory() if feedback else None
+    k = comp.k_for(n)
+    nb, m = comp.split(n, k)
+    assert nb == round((1 - singles) * -(-k // 16)) and m > 0
+    for step in range(3):
+        g = (rng.standard_normal(n) * rng.exponential(1.0, n) ** 3).astype(np.float32)
+        g[rng.integers(0, n, 2)] = [np.nan, np.inf]
+        old = mem.residual("w", n).clone().numpy() if feedback else np.zeros(n, np.float32)
+        with np.errstate(invalid="ignore"):
+            acc = g + old
+        c = ctx("w", step, n)
+        sel = comp.select(torch.from_numpy(g), c, memory=mem)
+        want = ref_blocks_and_singles(acc, nb, m)
+        assert np.array_equal(sel.indices.numpy(), want)
+        assert same_bits(sel.values.numpy(), acc[want])
+        if feedback:
+            assert same_bits((sel.to_dense() + mem.get("w")).numpy(), acc)
+        payload = comp.encode(sel, c)
+        back = comp.decode(payload, c, n)
+        assert torch.equal(back.indices, sel.indices) and same_bits(back.values.numpy(), sel.values.numpy())
+        from stella_mpi._native import compress as kernels
+        assert kernels.decode_info(payload, n)["scheme"] == "mixed" or nb == 0   # no block left: singles only
+        budget = blocks_only.encode(blocks_only.select(torch.from_numpy(acc), c), c).numel()
+        assert payload.numel() <= budget + 4 * -(-n // 65536)
+
+
+def test_cacheaware_singles_settings():
+    comp = Compression.cacheaware(density=0.01, singles=0.5)
+    assert comp.settings() == ("cacheaware", 0.01, "float32", True, 0.5)
+    assert comp.with_density(0.1).singles == 0.5
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="singles"):
+            Compression.cacheaware(density=0.01, singles=bad)
+    # density 1 sends every entry, singles or not; and 16-bit values buy more singles
+    assert comp.split(10_000, 10_000) == (625, 0)
+    assert comp.split(100_000, 1000) == (32, 341)
+    assert Compression.cacheaware(density=0.01, singles=0.5, value_dtype="float16").split(100_000, 1000) == (32, 263)
+
+
 def test_randomk_same_indices_on_every_rank():
     a, b = Compression.randomk(density=0.01), Compression.randomk(density=0.01)
     x, y = torch.randn(50000), torch.randn(50000)
@@ -132,14 +182,16 @@ def test_decode_refuses_a_payload_the_compressor_would_not_send():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(NAMES), st.sampled_from(["float32", "float16", "bfloat16"]),
+@given(st.sampled_from(NAMES + ["cacheaware:singles"]), st.sampled_from(["float32", "float16", "bfloat16"]),
        st.integers(0, 5000), st.sampled_from([1e-3, 0.01, 0.1, 0.5, 1.0]), st.integers(1, 4),
        st.integers(0, 2**32 - 1), st.booleans())
 def test_error_feedback_invariant_across_steps(name, vd, n, density, steps, seed, special):
     """Every step: sent + new residual == grad + old residual, bit for bit (16-bit
     wire values: exact while |acc| < 2x the wire's largest finite value)."""
     rng = np.random.default_rng(seed)
-    comp = getattr(Compression, name)(density=density, value_dtype=vd)
+    name, _, singles = name.partition(":")
+    extra = {"singles": 0.6} if singles else {}
+    comp = getattr(Compression, name)(density=density, value_dtype=vd, **extra)
     mem = Memory()
     for step in range(steps):
         g = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)

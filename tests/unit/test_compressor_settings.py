@@ -5,7 +5,7 @@ import pytest
 
 from stella_mpi.compression.registry import BUILT_IN, get_factory
 
-CASES = [("topk", {}), ("cacheaware", {}), ("randomk", {}), ("threshold", {"exact": True, "slack": 3.0}),
+CASES = [("topk", {}), ("cacheaware", {}), ("cacheaware", {"singles": 0.7, "value_dtype": "float16"}), ("randomk", {}), ("threshold", {"exact": True, "slack": 3.0}),
          ("threshold", {}), ("topk", {"density": 0.5, "value_dtype": "float16", "error_feedback": False})]
 
 

@@ -1,5 +1,6 @@
 """The torch-op selection of the CUDA route (compression/device_select.py) against the C kernels,
 bit for bit, on CPU tensors: the same sets, values and residuals over many sizes and edges."""
+import functools
 import pytest
 import torch
 
@@ -89,7 +90,9 @@ def test_magnitude_keys_order_nan_above_inf():
     assert keys[2] < keys[3] < keys[4] < keys[5] == keys[6]
 
 
-@pytest.mark.parametrize("cls", [TopKCompressor, CacheAwareCompressor, RandomKCompressor])
+@pytest.mark.parametrize("cls", [TopKCompressor, CacheAwareCompressor, RandomKCompressor,
+                                 functools.partial(CacheAwareCompressor, singles=0.6)],
+                         ids=["topk", "cacheaware", "randomk", "cacheaware-singles"])
 @pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
 def test_compressors_on_the_device_route_equal_the_c_path(monkeypatch, cls, value_dtype):
     """SparseCompressor.select on the device route (STELLA_DEVICE_PATH=torch) gives the C path's
