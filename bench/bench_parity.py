@@ -1,6 +1,7 @@
 """Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
 byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
-(top-k and cache-aware at 1 %, momentum correction, masking, density warm-up, dense small tensors,
+(top-k and cache-aware at 1 %, cache-aware with single entries beside its blocks (singles=S),
+momentum correction, masking, density warm-up, dense small tensors,
 local gradient clipping (--local-clip, the global max norm), THC at 2, 4 and 8 bits, local
 steps every 8 (model averaging, DiLoCo, with top-k or THC pseudo-gradients),
 the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
@@ -34,6 +35,11 @@ VARIANTS = {   # name: train_horovod.py options
     "cacheaware+mc+warmup50": ["--compression", "cacheaware", "--momentum-correction", "on", "--density-warmup", "50"],
     "cacheaware+mc+dense_below1600": ["--compression", "cacheaware", "--momentum-correction", "on",
                                       "--dense-below", "1600"],
+    "cacheaware+mc+singles50": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.5"],
+    "cacheaware+mc+singles70": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.7"],
+    "cacheaware+mc+singles85": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.85"],
+    "cacheaware+mc+warmup50+singles70": ["--compression", "cacheaware", "--momentum-correction", "on",
+                                         "--density-warmup", "50", "--singles", "0.7"],
     "topk+clip": ["--compression", "topk", "--local-clip", "CLIP"],
     "topk+mc+clip": ["--compression", "topk", "--momentum-correction", "on", "--local-clip", "CLIP"],
     "cacheaware+mc+clip": ["--compression", "cacheaware", "--momentum-correction", "on", "--local-clip", "CLIP"],
@@ -48,7 +54,13 @@ VARIANTS = {   # name: train_horovod.py options
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
     "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],
     "cpu1:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on"],
+    "cpu1:topk+mc+sw50": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
+                          "--staleness-warmup", "50"],
+    "cpu1:topk+mc+sw150": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
+                           "--staleness-warmup", "150"],
     "cpu1:cacheaware": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
+    "cpu1:cacheaware+mc+singles70": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1",
+                                     "--momentum-correction", "on", "--singles", "0.7"],
 }
 
 
