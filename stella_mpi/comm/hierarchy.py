@@ -401,18 +401,21 @@ class Hierarchy:
 
     # ---------------- alltoall ----------------
 
-    def alltoallv(self, data, send_counts):
-        """Send ``send_counts[r]`` bytes of ``data`` (uint8, in rank order) to each rank r.
-        Returns (received bytes, receive counts)."""
+    def alltoallv(self, data, send_rows, row_bytes):
+        """Send ``send_rows[r]`` rows of ``row_bytes`` bytes each of ``data`` (uint8, in rank
+        order) to each rank r. Returns (received bytes, rows received from each rank). The row
+        counts cross, not the byte counts, so rows of zero bytes (a zero-size trailing
+        dimension) are still counted."""
         comm = self.comms.comm
-        sc = np.asarray(send_counts, dtype=np.int64)
-        rc = np.empty_like(sc)
-        self.deadline.wait(comm.Ialltoall(sc, rc), "alltoall (splits)")
-        out = torch.empty(int(rc.sum()), dtype=torch.uint8)
-        self.deadline.wait(comm.Ialltoallv([byte_view(data), sc.tolist(), displacements(sc.tolist()), MPI.BYTE],
-                                           [out.numpy(), rc.tolist(), displacements(rc.tolist()), MPI.BYTE]),
+        sr = np.asarray(send_rows, dtype=np.int64)
+        rr = np.empty_like(sr)
+        self.deadline.wait(comm.Ialltoall(sr, rr), "alltoall (splits)")
+        sc, rc = (sr * int(row_bytes)).tolist(), (rr * int(row_bytes)).tolist()
+        out = torch.empty(int(sum(rc)), dtype=torch.uint8)
+        self.deadline.wait(comm.Ialltoallv([byte_view(data), sc, displacements(sc), MPI.BYTE],
+                                           [out.numpy(), rc, displacements(rc), MPI.BYTE]),
                            "alltoall")
-        return out, rc.tolist()
+        return out, rr.tolist()
 
     def barrier(self):
         self.deadline.wait(self.comms.comm.Ibarrier(), "barrier")

@@ -150,6 +150,10 @@ def test_alltoall_with_and_without_splits(dtype):
     even = rank_input(me, (2 * n, 3), dtype, seed=9)
     out2 = hvd.alltoall(even)
     assert isinstance(out2, torch.Tensor) and out2.shape == (2 * n, 3)
+    # rows of zero elements still count: the received splits and the shape follow the rows
+    empty_rows, recv0 = hvd.alltoall(torch.zeros(sum(splits), 0, dtype=dtype), splits=torch.tensor(splits, dtype=torch.int32))
+    assert empty_rows.shape == (sum((src + me) % 3 for src in range(n)), 0), empty_rows.shape
+    assert recv0.tolist() == recv.tolist()
     with pytest.raises(ValueError, match="even multiple"):
         hvd.alltoall(torch.zeros(2 * n + 1))
     with pytest.raises(ValueError, match="number of workers"):

@@ -148,8 +148,7 @@ def execute_alltoall(pset, desc, inputs, joined):
     trailing = tuple(desc["trailing"])
     row_bytes = int(np.prod(trailing, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
     data = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
-    out, recv = pset.hierarchy.alltoallv(data, [int(s) * row_bytes for s in splits])
-    recv_rows = [r // row_bytes if row_bytes else 0 for r in recv]
+    out, recv_rows = pset.hierarchy.alltoallv(data, [int(s) for s in splits], row_bytes)
     result = out.view(dtype) if out.numel() else torch.empty(0, dtype=dtype)
     return result.reshape((sum(recv_rows),) + trailing), torch.tensor(recv_rows, dtype=torch.int32)
 
