@@ -54,8 +54,6 @@ VARIANTS = {   # name: train_horovod.py options
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
     "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],
     "cpu1:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on"],
-    "cpu1:topk+mc+sw50": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
-                          "--staleness-warmup", "50"],
     "cpu1:topk+mc+sw150": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
                            "--staleness-warmup", "150"],
     "cpu1:cacheaware": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
