@@ -10,7 +10,7 @@ same --seconds of training wall-clock, evaluating the held-out loss every --eval
 (evaluation time not counted). Modes (MODES below): "ddp" (torch DDP, gloo, flat), "powersgd"
 (DDP with torch's PowerSGD hook), "postlocal8" (torch's post-local SGD, models averaged every 8
 steps), "dense" (stella_mpi's hierarchical allreduce), "d0.001", "d0.01", "d0.1" (stella's sparse
-route at that fixed density), "adapt" (hvd.Adjuster between --min-density and --max-density),
+route at that fixed density), "d0.01+singles" (cache-aware 1 % with singles=0.7), "adapt" (hvd.Adjuster between --min-density and --max-density),
 "local8" / "diloco8" (hvd.LocalSteps every 8 steps, model averaging / outer Nesterov) and
 "local8+sparse" (local steps with 1 % sparse pseudo-gradients), "thc4" / "thc2" (Compression.thc at 4
 or 2 bits on every step), "local8+thc" (local steps, 4-bit THC pseudo-gradients) and "local8+overlap" /
@@ -47,6 +47,7 @@ MODES = {
     "d0.001": ["--mode", "sparse:{c}", "--density", "0.001"],
     "d0.01": ["--mode", "sparse:{c}", "--density", "0.01"],
     "d0.1": ["--mode", "sparse:{c}", "--density", "0.1"],
+    "d0.01+singles": ["--mode", "sparse:cacheaware", "--density", "0.01", "--singles", "0.7"],
     "adapt": ["--mode", "adapt:{c}", "--density", "0.01"],
     "adapt+thc": ["--mode", "adapt:{c}", "--density", "0.01", "--thc-bits", "2", "4", "8"],
     "local8": ["--mode", "local:8"],
@@ -67,7 +68,7 @@ PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communicatio
            "local8+thc"),
 }
 TORCH_PEERS = ("ddp", "powersgd", "postlocal8")
-STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "adapt", "adapt+thc", "local8+sparse"}
+STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse"}
 
 
 def run_one(rate, mode, args, tmp):

@@ -134,6 +134,8 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--overlap", action="store_true", help="local:H / diloco:H / localadapt: LocalSteps(overlap=True)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
+    p.add_argument("--singles", type=float, default=0.0,
+                   help="the cacheaware compressor's share of bytes for single entries beside its blocks")
     p.add_argument("--thc-bits", type=int, nargs="*", default=[],
                    help="adapt modes: THC rungs the adjuster may choose besides the densities (hvd.Adjuster(thc_bits=))")
     p.add_argument("--lr", type=float, default=0.05)
@@ -185,7 +187,11 @@ def main():
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
         else:
-            comp = getattr(hvd.Compression, comp_name)(density=args.density) if comp_name else hvd.Compression.none
+            if args.singles and comp_name != "cacheaware":
+                p.error("--singles applies to the cacheaware compressor, not %s" % (comp_name or "none"))
+            extra = {"singles": args.singles} if args.singles else {}
+            comp = getattr(hvd.Compression, comp_name)(density=args.density, **extra) if comp_name \
+                else hvd.Compression.none
         if kind in ("adapt", "cpuadapt"):
             adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target,
                                     thc_bits=tuple(args.thc_bits))

@@ -446,7 +446,7 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
         int64_t nbt = nblocks_of(n), nseg = nseg_of(n), nb = info.count, m = (int64_t)info.key;
         const uint8_t *seg = p + w * nb, *offs = seg + 4 * nseg;
         /* the singles first, validated as SEG16, into the end of idx ... */
-        uint32_t *singles = idx + (k - m);
+        uint32_t *singles = m ? idx + (k - m) : idx;   /* (no arithmetic on a NULL idx when k == 0) */
         int64_t j = 0;
         for (int64_t s = 0; s < nseg; s++) {
             int64_t c = rd32(seg + 4 * s), base = s * STELLA_SEGMENT, prev = -1;

@@ -56,12 +56,12 @@ enum stella_payload_consts {
 
 typedef struct {
     int64_t n;          /* numel in the header */
-    int64_t count;      /* header count (entries, or blocks for BLOCK16/32) */
+    int64_t count;      /* header count (entries, or blocks for BLOCK16/32 and MIXED) */
     int64_t entries;    /* (index, value) pairs the payload decodes to */
     int64_t nbytes;     /* exact payload length */
     int32_t scheme;
     int32_t value_dtype;
-    uint64_t key;
+    uint64_t key;       /* the random-k key (IMPLICIT), the number of singles (MIXED), else 0 */
 } stella_payload_info;
 
 /* Exact payload size for a scheme (AUTO and MIXED not allowed: a MIXED size
@@ -72,8 +72,10 @@ int stella_payload_size(int64_t n, int64_t entries, int64_t nblocks, int scheme,
 /* Upper bound of the payload of any explicit-index encoding of k entries (the
  * capacity to allocate for stella_sparse_encode with AUTO). */
 int stella_payload_bound(int64_t n, int64_t k, int value_dtype, int64_t *nbytes);
-/* The scheme AUTO picks for k ascending indices < n; whole_blocks is the
- * number of blocks when the indices are exactly whole blocks, else -1. */
+/* The smallest of the schemes whose size depends on counts only (U32, SEG16,
+ * BLOCK16/32, DENSE) for k ascending indices < n; whole_blocks is the number of
+ * blocks when the indices are exactly whole blocks, else -1. AUTO may still
+ * pick MIXED, whose size depends on the indices: stella_encoded_size says. */
 int stella_choose_scheme(int64_t n, int64_t k, int64_t whole_blocks, int *scheme);
 /* Exact size of the payload stella_sparse_encode writes for k ascending indices
  * < n with this scheme (AUTO: the one it picks, returned in *chosen, which may

@@ -55,7 +55,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     /* structured: n, scheme, dtype, then index gaps, then mutations */
-    int64_t n = 1 + (sel >> 8) % MAX_N;
+    /* now and then past 2^20 entries, where block ids take 32 bits */
+    int64_t n = 1 + (sel >> 8) % ((sel & 0x80) && (sel >> 8) % 7 == 0 ? 3 * MAX_N * 4 : MAX_N);
     int scheme = (int)(data[4] % 8) - 1;              /* AUTO .. MIXED (IMPLICIT is refused) */
     int vd = data[5] % 3;
     size_t nmut = data[6] % 5, pos = 7;
@@ -75,9 +76,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         cur = next + len - 1;
     }
     int64_t bound, sz;
-    stella_payload_bound(n, k, vd, &bound);
-    int64_t seg;
-    if (stella_payload_size(n, k, 0, STELLA_IDX_SEG16, vd, &seg) == STELLA_OK && seg > bound) bound = seg;
+    /* the exact size of the scheme asked for (MIXED can exceed U32 and SEG16); else the bound */
+    if (stella_encoded_size(idx, k, n, scheme, vd, &bound, NULL) != STELLA_OK) stella_payload_bound(n, k, vd, &bound);
     uint8_t *buf = malloc((size_t)bound + 1);
     if (stella_sparse_encode(idx, val, k, n, scheme, vd, buf, bound, &sz) == STELLA_OK) {
         for (size_t m = 0; m < nmut && pos + 3 <= size; m++, pos += 3) {

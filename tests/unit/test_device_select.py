@@ -110,6 +110,32 @@ def test_compressors_on_the_device_route_equal_the_c_path(monkeypatch, cls, valu
         assert _same(mem_c.get("w"), mem_t.get("w"))
 
 
+@pytest.mark.parametrize("kind", ["ties", "nonfinite", "zeros", "signed_zeros"])
+@pytest.mark.parametrize("feedback", [True, False])
+def test_cacheaware_singles_on_the_device_route_equal_the_c_path_at_the_edges(monkeypatch, kind, feedback):
+    """Cache-aware with singles on the two routes: many equal magnitudes, NaN and Inf, all zeros,
+    and -0.0 entries give the same selection, values and residual, with and without feedback."""
+    for n in (17, 3201, 70001):
+        comps = [CacheAwareCompressor(density=0.05, singles=0.6, error_feedback=feedback) for _ in range(2)]
+        mems = [Memory(), Memory()]
+        for step in range(3):
+            grad = _grad(n, step, "ties" if kind == "signed_zeros" else kind)
+            if kind == "signed_zeros":
+                grad[::3] = -0.0
+            ctx = TensorContext(name="w", step=step, shape=(n,), seed=9)
+            sels = []
+            for path, comp, mem in zip((None, "torch"), comps, mems):
+                if path:
+                    monkeypatch.setenv("STELLA_DEVICE_PATH", path)
+                else:
+                    monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
+                sels.append(comp.select(grad, ctx, memory=mem if feedback else None))
+            assert torch.equal(sels[0].indices, sels[1].indices) and _same(sels[0].values, sels[1].values)
+            assert bool((torch.diff(sels[0].indices.long()) > 0).all())
+            if feedback:
+                assert _same(mems[0].get("w"), mems[1].get("w"))
+
+
 def test_threshold_on_the_device_route_sends_the_exact_topk(monkeypatch):
     monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
     grad = _grad(50000, 3)
