@@ -34,12 +34,9 @@ from stella_mpi.compression import device_select  # noqa: E402
 BLOCK = 16
 
 
-def payload_bytes(n, idx, scheme="auto"):
+def payload_bytes(n, idx):
     """Bytes the codec sends for the selection ``idx`` (int32, ascending) of a tensor of n."""
-    k = idx.numel()
-    blocks = torch.unique(idx // BLOCK).numel() if k else 0
-    whole = blocks if k == blocks * BLOCK else -1
-    return kernels.payload_size(n, k, blocks, kernels.choose_scheme(n, k, whole))
+    return kernels.encoded_size(idx.int(), n)[0]
 
 
 def energy(acc, idx):
@@ -107,7 +104,7 @@ def measure(name, model, batch, steps, density, min_numel):
     schemes = ("topk_same_k", "cacheaware", "topk_same_bytes") + tuple(hybrids)
     residual = {(n, s): torch.zeros(p.numel()) for n, p in params for s in schemes}
     sums = {(n, s): 0.0 for n, _ in params for s in schemes}
-    nbytes = {(n, s): 0 for n, _ in params for s in schemes}
+    nbytes = {(n, s): 0 for n, _ in params for s in ("cacheaware",) + tuple(hybrids)}
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
@@ -128,7 +125,7 @@ def measure(name, model, batch, steps, density, min_numel):
                 else:
                     sel = hybrids[s].select(acc, ctx)
                     idx = sel.indices
-                    nbytes[(n, s)] += hybrids[s].encode(sel, ctx).numel()
+                    nbytes[(n, s)] += payload_bytes(numel, idx)
                 if s == "cacheaware":
                     nbytes[(n, s)] += payload_bytes(numel, idx)
                 sums[(n, s)] += energy(acc, idx)

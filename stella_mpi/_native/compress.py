@@ -178,6 +178,20 @@ def payload_size(n, entries, nblocks, scheme, value_dtype="float32"):
     return out[0]
 
 
+def block_and_single_bytes(n, value_dtype="float32"):
+    """(bytes a whole block adds to a block or mixed payload, bytes a single entry adds to a
+    segment-offset or mixed payload) for a tensor of n >= 1 elements, from the codec's own sizes:
+    a block is 16 values and its id (16-bit while the block ids fit, else 32-bit), a single a
+    value and its 16-bit offset."""
+    e = min(BLOCK, int(n))
+    try:
+        block = payload_size(n, e, 1, "block16", value_dtype)
+    except ValueError:   # more blocks than 16-bit ids can name
+        block = payload_size(n, e, 1, "block32", value_dtype)
+    single = payload_size(n, 1, 0, "seg16", value_dtype) - payload_size(n, 0, 0, "seg16", value_dtype)
+    return block - HEADER_BYTES, single
+
+
 def choose_scheme(n, k, whole_blocks=-1):
     out = ffi.new("int *")
     check(lib.stella_choose_scheme(int(n), int(k), int(whole_blocks), out), "stella_choose_scheme")

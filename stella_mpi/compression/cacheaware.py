@@ -40,45 +40,47 @@ class CacheAwareCompressor(SparseCompressor):
     def split(self, n, k):
         """(blocks, singles) of the selection of k entries out of n: ``ceil(k/16)`` blocks
         without singles; with them, ``round((1 - s) * ceil(k/16))`` blocks and as many single
-        entries as the bytes of the blocks given up pay for (a block costs 16 values and its id
-        of 2 bytes, 4 past 2^20 entries; a single costs a value and a 16-bit offset). The same on
-        every rank: it depends on n, k and the settings only. Density 1 (k == n) sends every
-        entry, as blocks."""
+        entries as the bytes of the blocks given up pay for (the codec's sizes: a block costs 16
+        values and its id, a single a value and a 16-bit offset). The same on every rank: it
+        depends on n, k and the settings only. Density 1 (k == n) sends every entry, as blocks."""
         nblocks, _ = kernels.block_count(n, k)
         if not self.singles or nblocks == 0 or k >= n:
             return nblocks, 0
-        value_bytes = 4 if self.value_dtype == "float32" else 2
-        block_bytes = 16 * value_bytes + (2 if (n + 15) // 16 <= 65536 else 4)
+        block_bytes, single_bytes = kernels.block_and_single_bytes(n, self.value_dtype)
         keep = int(round((1.0 - self.singles) * nblocks))
-        singles = (nblocks - keep) * block_bytes // (value_bytes + 2)
+        singles = (nblocks - keep) * block_bytes // single_bytes
         return keep, max(0, min(singles, n - 16 * keep))
 
     def _select(self, flat, n, k, residual, ctx):
         nb, m = self.split(n, k)
         idx, val = kernels.block_topk(flat, min(16 * nb, n), residual, self.state(ctx.name, n))
         if m:
-            idx, val = self._add_singles(flat, n, m, residual, idx, val,
-                                         lambda src: kernels.topk(src, m, None, self.state(ctx.name + "#singles", n)))
+            singles = self._singles(flat, m, residual, idx,
+                                    lambda src: kernels.topk(src, m, None, self.state(ctx.name + "#singles", n)))
+            idx, val = kernels.merge([(idx, val), singles], n)   # two ascending, disjoint lists
         return idx, val, None
 
     def _select_on_device(self, flat, n, k, residual, ctx):
         nb, m = self.split(n, k)
         idx, val = device_select.block_topk(flat, min(16 * nb, n), residual)
         if m:
-            idx, val = self._add_singles(flat, n, m, residual, idx, val, lambda src: device_select.topk(src, m))
+            s_idx, s_val = self._singles(flat, m, residual, idx, lambda src: device_select.topk(src, m))
+            both = torch.cat([idx, s_idx])
+            order = torch.sort(both).indices
+            idx, val = both[order], torch.cat([val, s_val])[order]
         return idx, val, None
 
     @staticmethod
-    def _add_singles(flat, n, m, residual, idx, val, topk):
-        """The blocks' selection (idx, val) with the m largest entries they left, merged in
-        index order. With error feedback the residual is acc with the blocks' entries at +0.0,
-        so the top-k of the residual is the top-k outside the blocks; without it, a copy of the
-        gradient with the blocks zeroed serves. Picks of magnitude 0 (inside a block, or zeros
-        outside) are dropped: they would send nothing, and a pick inside a block would repeat
-        its index. The residual loses exactly what the singles send (sent + residual == acc)."""
+    def _singles(flat, m, residual, blocks, topk):
+        """The m largest entries the blocks left (indices ascending, values). With error
+        feedback the residual is acc with the blocks' entries at +0.0, so the top-k of the
+        residual is the top-k outside the blocks; without it, a copy of the gradient with the
+        blocks zeroed serves. Picks of magnitude 0 (inside a block, or zeros outside) are
+        dropped: they would send nothing, and a pick inside a block would repeat its index. The
+        residual loses exactly what the singles send (sent + residual == acc)."""
         if residual is None:
             src = flat.clone()
-            src[idx.long()] = 0.0
+            src[blocks.long()] = 0.0
         else:
             src = residual
         s_idx, s_val = topk(src)
@@ -86,6 +88,4 @@ class CacheAwareCompressor(SparseCompressor):
         s_idx, s_val = s_idx[keep], s_val[keep]
         if residual is not None:
             residual[s_idx.long()] = 0.0
-        both_idx = torch.cat([idx, s_idx])
-        order = torch.sort(both_idx).indices
-        return both_idx[order], torch.cat([val, s_val])[order]
+        return s_idx, s_val

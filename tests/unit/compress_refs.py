@@ -51,7 +51,7 @@ def ref_blocks(acc, k):
 def ref_blocks_and_singles(acc, nblocks, singles):
     """Cache-aware with singles: the ``nblocks`` best blocks, then the ``singles`` largest
     entries outside them, those of magnitude 0 left out; ascending."""
-    b = ref_blocks(acc, 16 * nblocks) if nblocks else np.empty(0, np.int64)
+    b = ref_blocks(acc, 16 * nblocks)
     rest = np.array(acc, np.float32)
     rest[b] = 0.0
     s = top_units(keys(rest), min(singles, acc.size))
