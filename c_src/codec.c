@@ -379,6 +379,28 @@ int stella_sparse_decode_info(const uint8_t *buf, int64_t len, int64_t n, stella
     return STELLA_OK;
 }
 
+/* The SEG16 index section at p (ceil(n/64K) uint32 counts, then k uint16 offsets) into
+ * out[0..k): 1 if valid (counts summing to k, offsets ascending in each segment, indices < n).
+ * One pass: each count is read once and bounded before any write, so the output stays inside
+ * out[0..k) even if the buffer changes while we read it. */
+static int decode_seg16(const uint8_t *p, int64_t n, int64_t k, uint32_t *out) {
+    int64_t nseg = nseg_of(n), j = 0;
+    const uint8_t *offs = p + 4 * nseg;
+    for (int64_t s = 0; s < nseg; s++) {
+        int64_t c = rd32(p + 4 * s), base = s * STELLA_SEGMENT, prev = -1;
+        int64_t seg_len = n - base;
+        if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
+        if (c > seg_len || c > k - j) return 0;
+        for (int64_t t = 0; t < c; t++, j++) {
+            int64_t off = rd16(offs + 2 * j);
+            if (off <= prev || base + off >= n) return 0;
+            out[j] = (uint32_t)(base + off);
+            prev = off;
+        }
+    }
+    return j == k;
+}
+
 int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t expected_key,
                          uint32_t *idx, float *val, int64_t cap, int64_t *out_k) {
     if (!out_k) return STELLA_ERR_NULL;
@@ -402,28 +424,10 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
         p += 4 * k;
         break;
     }
-    case STELLA_IDX_SEG16: {
-        /* one pass: each count is read once and bounded before any write, so the output
-         * stays inside idx[0..k) even if the buffer changes while we read it */
-        int64_t nseg = nseg_of(n);
-        const uint8_t *offs = p + 4 * nseg;
-        int64_t j = 0;
-        for (int64_t s = 0; s < nseg; s++) {
-            int64_t c = rd32(p + 4 * s), base = s * STELLA_SEGMENT, prev = -1;
-            int64_t seg_len = n - base;
-            if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
-            if (c > seg_len || c > k - j) return STELLA_ERR_MALFORMED;
-            for (int64_t t = 0; t < c; t++, j++) {
-                int64_t off = rd16(offs + 2 * j);
-                if (off <= prev || base + off >= n) return STELLA_ERR_MALFORMED;
-                idx[j] = (uint32_t)(base + off);
-                prev = off;
-            }
-        }
-        if (j != k) return STELLA_ERR_MALFORMED;
-        p = offs + 2 * k;
+    case STELLA_IDX_SEG16:
+        if (!decode_seg16(p, n, k, idx)) return STELLA_ERR_MALFORMED;
+        p += 4 * nseg_of(n) + 2 * k;
         break;
-    }
     case STELLA_IDX_BLOCK16:
     case STELLA_IDX_BLOCK32: {
         int w = info.scheme == STELLA_IDX_BLOCK16 ? 2 : 4;
@@ -447,20 +451,7 @@ int stella_sparse_decode(const uint8_t *buf, int64_t len, int64_t n, uint64_t ex
         const uint8_t *seg = p + w * nb, *offs = seg + 4 * nseg;
         /* the singles first, validated as SEG16, into the end of idx ... */
         uint32_t *singles = m ? idx + (k - m) : idx;   /* (no arithmetic on a NULL idx when k == 0) */
-        int64_t j = 0;
-        for (int64_t s = 0; s < nseg; s++) {
-            int64_t c = rd32(seg + 4 * s), base = s * STELLA_SEGMENT, prev = -1;
-            int64_t seg_len = n - base;
-            if (seg_len > STELLA_SEGMENT) seg_len = STELLA_SEGMENT;
-            if (c > seg_len || c > m - j) return STELLA_ERR_MALFORMED;
-            for (int64_t t = 0; t < c; t++, j++) {
-                int64_t off = rd16(offs + 2 * j);
-                if (off <= prev || base + off >= n) return STELLA_ERR_MALFORMED;
-                singles[j] = (uint32_t)(base + off);
-                prev = off;
-            }
-        }
-        if (j != m) return STELLA_ERR_MALFORMED;
+        if (!decode_seg16(seg, n, m, singles)) return STELLA_ERR_MALFORMED;
         /* ... then the blocks merged in front of them, in place: the entries written never
          * reach the next single still to be read (o <= k - m + t) */
         int64_t o = 0, t = 0, prev = -1;
