@@ -3,7 +3,7 @@ standard-library sources, 4 ranks in 2 clusters, the same seeds and steps for ea
 
 In the default run: with DGC's momentum correction, top-k 1 % is within 2 % of dense training's
 final validation loss (measured +0.2 %), and so is cache-aware 1 % with single entries beside its
-blocks (singles=0.7) and the density warm-up (+1.2 %; blocks alone: +4.2 %); the CPU engine at
+blocks (singles=0.7) and the density warm-up (+1.2 %; blocks alone: +4.2 %, -m slow); the CPU engine at
 staleness 1 (top-k 1 % with momentum correction, 150 synchronous steps first) within 3 % (+2.0 %).
 With -m slow also: error feedback alone within 5 %, also with the C optimizer of the CPU engine, synchronous (staleness 0) and overlapped (staleness 1, with the engine's default
 stale prediction: the forward gets the master weights one zero-gradient step ahead; without it a
@@ -53,15 +53,12 @@ def test_one_percent_with_momentum_correction_matches_dense(tmp_path, dense):
     mc = _train(tmp_path, "mc", "--compression", "topk", "--density", "0.01", "--momentum-correction", "on")
     ca = _train(tmp_path, "ca", "--compression", "cacheaware", "--density", "0.01", "--singles", "0.7",
                 "--momentum-correction", "on", "--density-warmup", "50")
-    blocks = _train(tmp_path, "blocks", "--compression", "cacheaware", "--density", "0.01", "--momentum-correction",
-                    "on", "--density-warmup", "50")
-    d, m, a, b = (r["validation_loss"] for r in (dense, mc, ca, blocks))
+    d, m, a = (r["validation_loss"] for r in (dense, mc, ca))
     print("validation loss after %d steps: dense %.4f; with momentum correction: top-k 1%% %.4f (%+.1f%%); "
-          "cache-aware 1%% with singles and warm-up %.4f (%+.1f%%), blocks only and warm-up %.4f (%+.1f%%)"
-          % (STEPS, d, m, 100 * (m / d - 1), a, 100 * (a / d - 1), b, 100 * (b / d - 1)))
+          "cache-aware 1%% with singles and warm-up %.4f (%+.1f%%)" % (STEPS, d, m, 100 * (m / d - 1), a,
+                                                                       100 * (a / d - 1)))
     assert m <= 1.02 * d      # measured +0.2 %
     assert a <= 1.02 * d      # measured +1.2 %
-    assert b <= 1.06 * d      # measured +4.2 % (without momentum correction and warm-up: +6.1 %)
     assert mc["wan_bytes_sent_per_step"] < 0.05 * dense["wan_bytes_sent_per_step"]
     assert ca["wan_bytes_sent_per_step"] < 0.05 * dense["wan_bytes_sent_per_step"]
 
@@ -77,6 +74,18 @@ def test_cpu_engine_at_staleness_one_within_three_percent(tmp_path, dense):
     print("validation loss after %d steps: dense %.4f; CPU engine, staleness 1 after 150 synchronous steps, top-k "
           "1%% + MC %.4f (%+.1f%%)" % (STEPS, d, c, 100 * (c / d - 1)))
     assert c <= 1.03 * d      # measured +2.0 %
+
+
+@pytest.mark.slow
+def test_cacheaware_blocks_only_within_six_percent(tmp_path, dense):
+    """StellaTrain's blocks alone (the default, singles=0) with momentum correction and the
+    density warm-up (-m slow): measured +4.2 % on this seed, +3.4 to +6.2 % over four."""
+    blocks = _train(tmp_path, "blocks", "--compression", "cacheaware", "--density", "0.01", "--momentum-correction",
+                    "on", "--density-warmup", "50")
+    d, b = dense["validation_loss"], blocks["validation_loss"]
+    print("validation loss after %d steps: dense %.4f; cache-aware blocks 1%% + MC + warm-up %.4f (%+.1f%%)"
+          % (STEPS, d, b, 100 * (b / d - 1)))
+    assert b <= 1.06 * d      # measured +4.2 % (without momentum correction and warm-up: +6.1 %)
 
 
 @pytest.mark.slow
