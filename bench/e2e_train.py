@@ -187,8 +187,6 @@ def main():
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
         else:
-            if args.singles and comp_name != "cacheaware":
-                p.error("--singles applies to the cacheaware compressor, not %s" % (comp_name or "none"))
             extra = {"singles": args.singles} if args.singles else {}
             comp = getattr(hvd.Compression, comp_name)(density=args.density, **extra) if comp_name \
                 else hvd.Compression.none

@@ -93,8 +93,6 @@ def main():
     elif args.compression == "thc":
         compression = hvd.Compression.thc(bits=args.bits, error_feedback=not args.no_error_feedback)
     else:
-        if args.singles and args.compression != "cacheaware":
-            parser.error("--singles applies to --compression cacheaware, not %s" % args.compression)
         extra = {"singles": args.singles} if args.singles else {}
         compression = getattr(hvd.Compression, args.compression)(
             density=args.density, error_feedback=not args.no_error_feedback, **extra)

@@ -3,9 +3,10 @@ standard-library sources, 4 ranks in 2 clusters, the same seeds and steps for ea
 
 In the default run: with DGC's momentum correction, top-k 1 % is within 2 % of dense training's
 final validation loss (measured +0.2 %), and so is cache-aware 1 % with single entries beside its
-blocks (singles=0.7) and the density warm-up (+1.2 %; blocks alone: +4.2 %, -m slow); the CPU engine at
-staleness 1 (top-k 1 % with momentum correction, 150 synchronous steps first) within 3 % (+2.0 %).
-With -m slow also: error feedback alone within 5 %, also with the C optimizer of the CPU engine, synchronous (staleness 0) and overlapped (staleness 1, with the engine's default
+blocks (singles=0.7) and the density warm-up (+1.2 %; blocks alone: +4.2 %, -m slow); the CPU
+engine at staleness 1 (top-k 1 % with momentum correction, 150 synchronous steps first) is within
+3 % (+2.0 %). With -m slow also: error feedback alone within 5 %, also with the C optimizer of the
+CPU engine, synchronous (staleness 0) and overlapped (staleness 1, with the engine's default
 stale prediction: the forward gets the master weights one zero-gradient step ahead; without it a
 one-step-stale update costs ~10 % here, as it does in dense training); without error feedback it
 is measurably worse. Longer versions of the same comparison: the same examples/train_horovod.py
