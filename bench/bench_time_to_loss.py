@@ -16,7 +16,9 @@ route at that fixed density), "d0.01+singles" (cache-aware 1 % with singles=0.7)
 or 2 bits on every step), "local8+thc" (local steps, 4-bit THC pseudo-gradients) and "local8+overlap" /
 "diloco8+overlap" (the exchange hidden behind the next period, LocalSteps(overlap=True)), "localadapt" (model
 averaging with H chosen by the adjuster, step-time objective, --target), "localadapt+overlap" and "localadapt+thc" (H
-chosen, 4-bit THC pseudo-gradients). The sparse modes use
+chosen, 4-bit THC pseudo-gradients), "switch" (hvd.Adjuster(modes=("sync", "local")): the adjuster moves
+between the sparse route, its density adjusted, and local steps with 4-bit THC pseudo-gradients, its H
+adjusted). The sparse modes use
 --compressor (cache-aware by default) with error feedback. --preset 13 (the default) runs issue
 13's set, --preset 14 issue 14's.
 
@@ -61,6 +63,7 @@ MODES = {
     "localadapt": ["--mode", "localadapt"],
     "localadapt+overlap": ["--mode", "localadapt", "--overlap"],
     "localadapt+thc": ["--mode", "localadapt:thc", "--bits", "4"],
+    "switch": ["--mode", "switch:{c}", "--density", "0.01", "--bits", "4"],
 }
 PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers
     "13": ("ddp", "dense") + FIXED + ("adapt",),
@@ -68,20 +71,20 @@ PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communicatio
            "local8+thc"),
 }
 TORCH_PEERS = ("ddp", "powersgd", "postlocal8")
-STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse"}
+STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse", "switch"}
 
 
 def run_one(rate, mode, args, tmp):
     out = os.path.join(tmp, "%s_%s.json" % (rate, mode.replace("+", "_")))
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
     how = [a.format(c=args.compressor) for a in MODES[mode]]
-    if mode.startswith("adapt"):   # (adapt+thc too: the same density range, THC rungs besides)
+    if mode.startswith(("adapt", "switch")):   # (adapt+thc too: the same density range, THC rungs besides)
         how += ["--min-density", str(args.min_density), "--max-density", str(args.max_density)]
     cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
            os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
            "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
            "--out", out] + how
-    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse", "adapt+thc"}:
+    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse", "adapt+thc", "switch"}:
         cmd.append("--momentum-correction")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)
@@ -126,7 +129,8 @@ def summarize(runs, target_loss):
                           "steps": len(recs), "ms_per_step": 1000 * recs[-1]["elapsed_s"] / len(recs),
                           "wan_mb_per_step": statistics.mean((x["wan_bytes_rank"] or 0) for x in recs) / 1e6
                           if recs[0]["wan_bytes_rank"] is not None else None,
-                          "densities": sorted({x["density"] for x in recs if x["density"] is not None})}
+                          "densities": sorted({x["density"] for x in recs if x["density"] is not None}),
+                          "mode_switches": [(step, route) for step, route, _ in r.get("mode_switches") or []]}
         fixed = [rows[m]["time_to_target_s"] for m in FIXED if m in rows and rows[m].get("time_to_target_s")]
         best_fixed = min(fixed) if fixed else None
         ddp = rows.get("ddp", {}).get("time_to_target_s")

@@ -128,7 +128,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", required=True, help="compute, ddp, powersgd, postlocal:H, dense, sparse:<compressor>, "
                                                  "cpu:<compressor>, adapt:<compressor>, cpuadapt:<compressor>, "
-                                                 "local:H[:<compressor>], diloco:H[:<compressor>]")
+                                                 "local:H[:<compressor>], diloco:H[:<compressor>], "
+                                                 "switch:<compressor> (sparse route or local steps with THC "
+                                                 "--bits pseudo-gradients, the adjuster choosing)")
     p.add_argument("--workload", choices=["comm", "lm"], default="comm")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
@@ -184,6 +186,10 @@ def main():
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
             local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)
             adjuster = hvd.Adjuster(objective="step_time", target=args.target)
+        if kind == "switch":   # switch:<compressor>: the adjuster moves between the sparse route and local steps
+            local_steps = hvd.LocalSteps(every=1, compression=hvd.Compression.thc(bits=args.bits))
+            adjuster = hvd.Adjuster(modes=("sync", "local"), min_density=args.min_density,
+                                    max_density=args.max_density, target=args.target)
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
         else:
@@ -274,7 +280,8 @@ def main():
                         "sent_density": st.get("density"),   # measured: entries sent / elements
                         "residual_norm_ratio": st.get("residual_norm_ratio"),
                         "wan_bandwidth_bps": st.get("wan_bandwidth_bps"),
-                        "local_steps_every": getattr(opt, "local_steps_every", None)})
+                        "local_steps_every": getattr(opt, "local_steps_every", None),
+                        "route": getattr(opt, "mode", None)})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
                 reached = {"step": step, "elapsed_s": elapsed}
@@ -287,10 +294,8 @@ def main():
                 next_eval += args.eval_seconds
             dt = time.perf_counter() - e0
             paused += dt
-            if getattr(opt, "_adjust", None) is not None:
-                opt._adjust.exclude(dt)   # nor in the adjuster's timing of the next step
             if hasattr(opt, "exclude_time"):
-                opt.exclude_time(dt)      # (local steps: nor in the period's compute time)
+                opt.exclude_time(dt)   # nor in the adjuster's timing of the next step or period
             now = time.perf_counter()
         if over:
             break
@@ -308,6 +313,7 @@ def main():
             json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val, "curve": curve,
                        "target_loss": args.target_loss, "window": args.window, "reached": reached,
                        "clusters": hvd.num_clusters() if hvd else None,
+                       "mode_switches": getattr(opt, "mode_switches", None),
                        "parameters": sum(q.numel() for q in model.parameters()),
                        "wan_rate_bps": float(os.environ.get("STELLA_WAN_RATE_BPS", "0") or 0),
                        "wan_mode": os.environ.get("STELLA_WAN_MODE", "none"), "t0_unix": t0_unix}, f)

@@ -129,6 +129,17 @@ class AdjustSession:
         if self._t_end is not None:
             self._t_end += seconds
 
+    def resume(self):
+        """The optimizer comes back from a pause (local steps, optim/mode_switch.py): the next
+        step starts a new window, untimed (its start is unknown). A pause starts only right after
+        a decision, so no gather is in flight."""
+        assert self._pending is None, "the adjuster's session paused with a telemetry gather in flight"
+        self._t_end = self._t_enter = None
+        self._idle = self._idle_inside = self._opt = 0.0
+        self._sums[:] = 0.0
+        self._timed = 0
+        self._collecting = True
+
     def optimizer_time(self, seconds):
         self._opt += seconds
 
@@ -139,7 +150,7 @@ class AdjustSession:
         c = self.controller
         self._stats.annotate(adjust_density=c.density, adjust_passes=c.passes, adjust_bits=c.bits)   # this step's
         if self._t_end is not None and self._collecting:
-            step_s = now - self._t_end
+            step_s = max(now - self._t_end, 0.0)   # (a caller may exclude more than the step took)
             inside = now - self._t_enter if self._t_enter is not None else 0.0
             idle_outside = self._idle - self._idle_inside
             compute = max(step_s - inside - idle_outside, 0.0)
@@ -233,6 +244,12 @@ class AdjustedOptimizer:
         """Samples per backward pass for this rank: the adjuster's batch split
         (``hvd.Adjuster(batch_split=True, global_batch=N)``), or None without one."""
         return self._adjust.batch if self._adjust is not None else None
+
+    def exclude_time(self, seconds):
+        """Leave ``seconds`` the training loop spent outside training (an evaluation, a
+        checkpoint) out of the adjuster's timing of the next step (no-op without an adjuster)."""
+        if self._adjust is not None:
+            self._adjust.exclude(seconds)
 
     @property
     def adjust_decisions(self):

@@ -34,6 +34,11 @@ class AdjusterSettings:
     local_steps: the ladder of local steps H the adjuster chooses from for an optimizer with
         ``local_steps=hvd.LocalSteps(...)`` (step-time objective only: see
         :mod:`.local_steps_rule`); unused otherwise.
+    modes: ("sync", "local") lets the adjuster move between the synchronous route (its
+        densities and THC rungs) and local steps (its H ladder), on every rank at the same step
+        (:mod:`.mode_rule`): pass ``local_steps=hvd.LocalSteps(...)`` and a sparse ``compression``
+        with it. Empty (the default): the optimizer's one mode (local steps when ``local_steps``
+        is given). Time-to-loss objective only.
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -50,6 +55,7 @@ class AdjusterSettings:
     levels_per_decade: int = 6
     thc_bits: Tuple[int, ...] = ()
     local_steps: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    modes: Tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("min_density", "max_density"):
@@ -87,6 +93,12 @@ class AdjusterSettings:
                                                              for h in hs) or len(set(hs)) != len(hs):
             raise ValueError("Adjuster: local_steps must be distinct integers >= 1 (the ladder of H), got %r" % (hs,))
         object.__setattr__(self, "local_steps", tuple(sorted(hs)))
+        if not isinstance(self.modes, (tuple, list)) or tuple(sorted(self.modes)) not in ((), ("local", "sync")):
+            raise ValueError("Adjuster: modes must be () or ('sync', 'local'), got %r" % (self.modes,))
+        object.__setattr__(self, "modes", ("sync", "local") if self.modes else ())
+        if self.modes and self.objective != "time_to_loss":
+            raise ValueError("Adjuster: modes=('sync', 'local') compares the modes by the time-to-loss objective; "
+                             "pass objective='time_to_loss'")
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

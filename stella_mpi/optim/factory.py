@@ -12,6 +12,7 @@ from ..core.process_sets import global_process_set
 from .adasum import _DistributedAdasumOptimizer
 from .cpu_engine import make_cpu_engine_optimizer
 from .local_steps import LocalSteps, LocalStepsMixin, cluster_process_set
+from .mode_switch import ModeSwitchMixin, check_mode_switch
 from .synchronous import _DistributedOptimizer
 
 
@@ -59,7 +60,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     the last exchange minus now) every H steps, through ``compression``, applied by the outer
     optimizer (optim/local_steps.py). With ``adjuster=hvd.Adjuster(objective="step_time",
     target=...)`` H is chosen from ``Adjuster.local_steps`` by the measured compute and exchange
-    times, on every rank at the same exchange (adjust/local_steps_rule.py)."""
+    times, on every rank at the same exchange (adjust/local_steps_rule.py).
+
+    ``adjuster=hvd.Adjuster(modes=("sync", "local"))`` with a sparse ``compression`` and
+    ``local_steps=hvd.LocalSteps(every=H, compression=...)``: the adjuster moves between the
+    synchronous route (at its density) and local steps (at its H, the pseudo-gradient through
+    ``LocalSteps.compression``), on every rank at the same step, by the time-to-loss objective
+    (optim/mode_switch.py, adjust/mode_rule.py); ``opt.mode`` says which runs."""
     state.current("hvd.DistributedOptimizer")
     if adjuster is not None and not isinstance(adjuster, AdjusterSettings):
         raise ValueError("adjuster must be an hvd.Adjuster(...), not %r" % type(adjuster).__name__)
@@ -90,6 +97,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning)
         if groups is None:
             groups = num_groups
+    if adjuster is not None and adjuster.modes:
+        return _mode_switch_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                      gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
+                                      adjuster, momentum_correction, density_warmup, dense_below, local_clip,
+                                      local_steps)
     if local_steps is not None:
         return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
@@ -157,19 +169,46 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
         if adjuster.allow_accumulation or adjuster.batch_split:   # (thc_bits needs the time-to-loss objective)
             raise ValueError("%s: the adjuster's allow_accumulation and batch_split apply to the gradient route; "
                              "with local steps it chooses H from Adjuster(local_steps=...)" % what)
-    if local_steps.overlap and compression is not Compression.none:
-        raise ValueError("%s: overlap=True sends the pseudo-gradient over its own communicator, outside the "
-                         "collective thread, uncompressed; pass compression=hvd.Compression.none (or overlap=False "
-                         "to exchange it through %r)" % (what, compression))
-    if getattr(compression, "sparse", False):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p.dtype != torch.float32:
-                    raise ValueError("%s: a sparse compression takes float32 parameters, got %s" % (what, p.dtype))
+    if local_steps.compression is not None and compression is not Compression.none:
+        raise ValueError("%s: the pseudo-gradient's compression is given twice (compression=%r and LocalSteps("
+                         "compression=%r)); pass one" % (what, compression, local_steps.compression))
+    pseudo = local_steps.compression if local_steps.compression is not None else compression
+    _check_pseudo_gradient(what, pseudo, local_steps, optimizer)
     cluster = cluster_process_set()
     cls = type(optimizer.__class__.__name__, (LocalStepsMixin, _DistributedOptimizer, optimizer.__class__), {})
     cls._stella_base_class = optimizer.__class__
     opt = cls(optimizer.param_groups, named_parameters, Compression.none, backward_passes_per_step, op,
               gradient_predivide_factor, groups, sparse_as_dense, cluster)
-    opt._init_local_steps(local_steps, compression, adjuster)
+    opt._init_local_steps(local_steps, pseudo, adjuster)
+    return opt
+
+
+def _check_pseudo_gradient(what, pseudo, local_steps, optimizer):
+    if local_steps.overlap and pseudo is not Compression.none:
+        raise ValueError("%s: overlap=True sends the pseudo-gradient over its own communicator, outside the "
+                         "collective thread, uncompressed; pass compression=hvd.Compression.none (or overlap=False "
+                         "to exchange it through %r)" % (what, pseudo))
+    if getattr(pseudo, "sparse", False):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.dtype != torch.float32:
+                    raise ValueError("%s: a sparse compression takes float32 parameters, got %s" % (what, p.dtype))
+
+
+def _mode_switch_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, groups, sparse_as_dense, process_set, engine, adjuster,
+                           momentum_correction, density_warmup, dense_below, local_clip, local_steps):
+    """The optimizer that moves between the synchronous route and local steps (optim/mode_switch.py)."""
+    check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,
+                      local_clip, adjuster, local_steps)
+    if not isinstance(local_steps, LocalSteps):
+        raise ValueError("DistributedOptimizer(local_steps=...): pass an hvd.LocalSteps(every=...), not %r"
+                         % type(local_steps).__name__)
+    pseudo = local_steps.compression if local_steps.compression is not None else compression
+    _check_pseudo_gradient("DistributedOptimizer(local_steps=...)", pseudo, local_steps, optimizer)
+    cls = type(optimizer.__class__.__name__, (ModeSwitchMixin, _DistributedOptimizer, optimizer.__class__), {})
+    cls._stella_base_class = optimizer.__class__
+    opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+              gradient_predivide_factor, groups, sparse_as_dense, process_set, adjuster)
+    opt._init_modes(local_steps, adjuster)
     return opt

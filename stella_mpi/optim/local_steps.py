@@ -97,12 +97,17 @@ class LocalSteps:
     outer_lr, outer_momentum: the outer optimizer's (DiLoCo uses 0.7 and 0.9).
     overlap: hide each exchange behind the next period's local steps and apply it one period
         late (see the module's documentation; compression none only).
+    compression: the pseudo-gradient's (an ``hvd.Compression``); None: the optimizer's
+        ``compression``. Set it when the adjuster switches modes
+        (``hvd.Adjuster(modes=("sync", "local"))``): the optimizer's compression is then the
+        synchronous route's.
     """
     every: int
     outer: str = "average"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     overlap: bool = False
+    compression: object = None
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -116,6 +121,8 @@ class LocalSteps:
             raise ValueError("LocalSteps: outer_momentum must be in [0, 1), got %r" % (self.outer_momentum,))
         if not isinstance(self.overlap, bool):
             raise ValueError("LocalSteps: overlap must be True or False, got %r" % (self.overlap,))
+        if self.compression is not None and not callable(getattr(self.compression, "compress", None)):
+            raise ValueError("LocalSteps: compression must be an hvd.Compression, got %r" % (self.compression,))
 
 
 class LocalStepsState:
@@ -321,6 +328,7 @@ class LocalStepsMixin:
         self._ls_name = "local_steps.%d.delta" % next(_instances)
         self._ls_channel = OuterChannel(self._ls_name) if settings.overlap else None
         self._ls_in_sync = False   # overlap: every rank holds the anchor and nothing was trained since
+        self._ls_measured = None
 
     @property
     def local_steps_every(self):
@@ -356,9 +364,11 @@ class LocalStepsMixin:
 
     def exclude_time(self, seconds):
         """Leave ``seconds`` the training loop spent outside training (an evaluation, a
-        checkpoint) out of this period's compute time, which the adjuster's H is chosen from."""
+        checkpoint) out of this period's compute time, which the adjuster's H is chosen from
+        (and out of the density adjuster's step time, where one runs)."""
         if self._ls_period_start is not None:
             self._ls_period_start += seconds
+        super().exclude_time(seconds)
 
     def _choose_every(self, compute_s, exchange_s, wire_s=None):
         """The adjuster's H for the next period, from this period's times (seconds per local
@@ -376,11 +386,13 @@ class LocalStepsMixin:
                             dtype=torch.int64)
         rows = allgather(mine, name=self._ls_name + ".times")
         self._ls_gather_s = time.perf_counter() - t0
+        self._ls_measured = None   # (compute_s, exchange_s, wire_s) the decision was taken from
         if bool((rows[:, 4] == 1).all()):
             self._ls_rule.every = self._ls.every   # (a loaded checkpoint may have set it)
             compute, exchange, wire = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
                                                     for r in rows.tolist()])
             every, reason = self._ls_rule.observe(compute, exchange, wire if self._ls_channel else None)
+            self._ls_measured = (compute, exchange, wire if self._ls_channel else None)
             if every != self._ls.every:
                 log.info("stella_mpi: local steps H %d -> %d (%s)", self._ls.every, every, reason)
                 timeline.instant("ADJUST_LOCAL_STEPS", every=every, previous_every=self._ls.every, reason=reason)

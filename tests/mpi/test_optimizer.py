@@ -569,3 +569,105 @@ def test_local_clip_clips_each_rank_before_the_reduction(compression):
     with pytest.raises(ValueError, match="local_clip"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters(),
                                  local_clip=-1.0)
+
+
+def _switching(model, pseudo=None, overlap=False, ladder=(4,), **adjuster):
+    """The optimizer that moves between the synchronous route (top-k 10 %) and local steps."""
+    return hvd.DistributedOptimizer(
+        _sgd(model), named_parameters=model.named_parameters(), compression=hvd.Compression.topk(0.1),
+        local_steps=hvd.LocalSteps(every=4, overlap=overlap, compression=pseudo),
+        adjuster=hvd.Adjuster(modes=("sync", "local"), interval=1, window=1, min_density=0.1, max_density=0.1,
+                              local_steps=ladder, **adjuster))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_mode_switch_moves_every_rank_at_the_same_step(overlap):
+    """Adjuster(modes=("sync", "local")): the routes really change, on every rank at the same
+    step. The mode rule's comparison is forced (its synchronous score made huge, then zero; the
+    rule itself is unit-tested): synchronous steps keep every rank's parameters equal; local
+    steps average inside each cluster only, so the clusters drift apart between exchanges; the
+    way back waits for an exchange (with overlap, for sync_clusters) and then every rank holds
+    the same parameters again, and stays so."""
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no exchange across clusters, nothing to switch")
+    pseudo = hvd.Compression.none if overlap else hvd.Compression.fp16
+    log = []
+
+    def watch(step, model, opt):
+        log.append((step, opt.mode, opt._process_set.size()))
+        if step == 2:
+            opt._mode_rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+        if opt.mode == "sync":
+            _assert_same_everywhere(model)
+        if step == 30:
+            opt._mode_rule.sync_score = lambda est: 0.0            # synchronous wins again
+
+    model, opt = _train_with(lambda m: _switching(m, pseudo, overlap), 60, watch)
+    modes = [m for _, m, _ in log]
+    assert "local" in modes and modes[-1] == "sync", (log, opt.mode_reason)
+    first = modes.index("local")
+    back = first + modes[first:].index("sync")
+    assert all(size == hvd.size() for _, m, size in log if m == "sync")
+    assert all(size == hvd.global_process_set.topology.cluster_size for _, m, size in log if m == "local")
+    assert [m for _, m, _ in opt.mode_switches] == ["local", "sync"], opt.mode_switches
+    everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])
+    assert all(x == everyone[0] for x in everyone), everyone
+    assert back > first + 4, log   # at least one exchange (the second period is the first timed one)
+    _assert_same_everywhere(model)
+    assert opt.state_dict()["stella_mode"] == "sync"
+
+
+def test_mode_switch_to_local_steps_over_a_slow_link():
+    """Over a slow link (user-space pacing of the cross-cluster sends, 0.2 s each, on every rank
+    alike) a synchronous step waits for the wire every step, where local steps wait for it once
+    per 16 steps: the mode rule (backlog_cost 0: time alone) moves to local steps after its
+    dead band (window + 2 decisions), with H=16 predicted, on every rank at the same step."""
+    from stella_mpi.comm.pacing import Pacer
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no exchange across clusters, nothing to switch")
+    hier = hvd.global_process_set.hierarchy
+    old, hier.pacer = hier.pacer, Pacer(bps=1e5, delay_s=0.2)
+    try:
+        model, opt = _train_with(lambda m: _switching(m, hvd.Compression.fp16, ladder=(1, 4, 16), backlog_cost=0.0),
+                                 24)
+        opt.sync_clusters()
+    finally:
+        hier.pacer = old
+    assert [m for _, m, _ in opt.mode_switches] == ["local"], (opt.mode_switches, opt.mode_reason)
+    assert opt.mode_switches[0][2].startswith("local reaches the loss sooner: local steps H=16")
+    assert opt.local_steps_every == 16
+    everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])
+    assert all(x == everyone[0] for x in everyone), everyone
+    _assert_same_everywhere(model)
+
+
+def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: nothing to switch")
+    model = _model()
+    opt = _switching(model, hvd.Compression.fp16)
+    opt._mode_rule.sync_score = lambda est: float("inf")
+    _steps(model, opt, range(8))
+    assert opt.mode == "local"
+    saved = opt.state_dict()
+    assert saved["stella_mode"] == "local" and "stella_local_steps" in saved
+    other = _switching(_model(), hvd.Compression.fp16)
+    other.load_state_dict(saved)
+    assert other.mode == "local" and other._process_set.size() == hvd.global_process_set.topology.cluster_size
+    opt.sync_clusters()
+    with pytest.raises(ValueError, match="stella_mode must be"):
+        other.load_state_dict(dict(saved, stella_mode="fast"))
+    sparse = hvd.Compression.topk(0.1)
+    modes = hvd.Adjuster(modes=("sync", "local"))
+    for kw, match in ((dict(compression=sparse), "pass local_steps"),
+                      (dict(compression=hvd.Compression.none, local_steps=hvd.LocalSteps(every=2)), "must be sparse"),
+                      (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), momentum_correction=True),
+                       "momentum_correction=True is not carried"),
+                      (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2, overlap=True)),
+                       "overlap=True sends the pseudo-gradient")):
+        with pytest.raises(ValueError, match=match):
+            hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), adjuster=modes, **kw)
+    with pytest.raises(ValueError, match="pass one"):
+        hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                 compression=hvd.Compression.fp16,
+                                 local_steps=hvd.LocalSteps(every=2, compression=hvd.Compression.fp16))

@@ -1,0 +1,139 @@
+"""How the adjuster moves between the synchronous route and local steps
+(``hvd.Adjuster(modes=("sync", "local"))``; pure: the same inputs give the same mode on every
+rank).
+
+Both modes are scored in the time-to-loss objective's unit (:mod:`.controller`): predicted
+seconds per step, weighted by the gradient mass the mode holds back::
+
+    sync     score = the controller's score of its current rung:
+                     step(d) * (1 + backlog_cost * kappa * sqrt((1 - d) / d))
+    local H  score = (step_local + exchange / H) * (1 + backlog_cost * (kappa * local_shape(H) + pseudo))
+
+    local_shape(H) = (1 - 1/C) * sqrt((H - 1) / 2)
+
+The sparse route holds an entry back for about 1/d steps and keeps it in the error-feedback
+residual, whose norm over the gradient's grows like sqrt((1 - d) / d) (kappa is that ratio's
+measured scale). Local steps hold back every entry of the other C - 1 clusters' progress, for
+(H - 1) / 2 steps on average, and apply the cluster's own at once: the same shape with 1/d - 1
+replaced by (H - 1) / 2 and scaled by the share held back, with the same kappa and
+``backlog_cost``, so one calibration serves both. (The drift of a period is not measured: at
+equal steps on the byte-level LM, local 8 and local 16 ended within 0.3 % of dense, where the
+sparse route at 1 % without momentum correction ended 1-5 % above: bench/bench_parity.py. The
+shape charges local steps less than sparse rungs of the same wait, as those numbers say.)
+``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
+it for the synchronous rung of that compression (a sparse density, THC bits; none and fp16: 0).
+
+What each side is predicted from:
+
+* In sync mode, every adjuster decision (:class:`.controller.Estimate`): a local step costs
+  what a synchronous step costs besides the WAN exchange (``compute_s + fixed_s``: the
+  reduction inside the cluster, the optimizer, and the selection, which local steps do not pay,
+  so local steps are predicted a little dear), and the exchange of the pseudo-gradient
+  ``messages * latency + 8 * payload / bandwidth``, its payload the shard's entries
+  (``Estimate.elements``) times its compression's bytes per entry (with ``overlap`` the whole
+  exchange is counted, though part of it would hide: the prediction is dear again). H is the
+  one the local-steps rule would choose (:mod:`.local_steps_rule`: the smallest on the ladder that fits the target,
+  else the largest).
+* In local mode, every exchange (measured compute per local step and exchange time; with
+  overlap, the wire time beyond the H steps it overlaps counts too): the bandwidth is the
+  pseudo-gradient's payload over the exchange's time (with overlap, its wire time) (an exchange also holds
+  the outer update, so the link is measured a little slow and sync predicted a little dear),
+  put into the last synchronous estimate, whose rung the controller scores.
+
+Hysteresis, as the controller's: the other mode is taken when its score is below ``1 - h/2``
+times the current mode's, in two decisions running, and not before ``Adjuster.window`` decisions
+have been taken in the current mode (the estimates then hold the current mode's measurements).
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .controller import Estimate
+
+MODES = ("sync", "local")
+
+
+def local_backlog_shape(every, nclusters):
+    """The share of progress local steps hold back, in the sparse backlog's unit: the other
+    clusters' share ``1 - 1/C``, for ``(H - 1) / 2`` steps on average."""
+    return (1.0 - 1.0 / nclusters) * math.sqrt(max(every - 1, 0) / 2.0)
+
+
+def choose_every(ladder, target, step_s, exchange_s):
+    """The local-steps rule's H for these times (no hysteresis): the smallest on the ladder
+    whose amortized exchange fits ``(target - 1) * step_s``; else the largest."""
+    allowed = max((target - 1.0) * step_s, 1e-9)
+    fitting = [h for h in sorted(ladder) if exchange_s / h <= allowed]
+    return fitting[0] if fitting else max(ladder)
+
+
+@dataclass
+class ModeRule:
+    """The mode decisions of one optimizer (one instance per rank, fed the same values).
+
+    ``sync_score(est)``: the controller's score of its current rung under ``est``;
+    ``pseudo_backlog(est)``: the backlog the pseudo-gradient's compression leaves;
+    ``payload_per_entry``: the pseudo-gradient's wire bytes per shard entry (its compression);
+    ``nclusters``: C."""
+    settings: object
+    nclusters: int
+    payload_per_entry: float
+    sync_score: Callable
+    pseudo_backlog: Callable
+    mode: str = "sync"
+    sync_estimate: Optional[Estimate] = None   # the last synchronous one (kept through local mode)
+    predicted_every: Optional[int] = None      # the H local steps would start from (after_sync)
+    _votes: int = 0       # decisions running that favoured the other mode
+    _held: int = 0        # decisions taken in the current mode
+
+    def local_score(self, est, step_s, exchange_s, every):
+        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + self.pseudo_backlog(est)
+        return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
+
+    def _predicted_exchange(self, est):
+        payload = est.elements * self.payload_per_entry
+        return est.messages * est.latency_s + 8.0 * payload / max(est.bandwidth_bps, 1.0)
+
+    def after_sync(self, est):
+        """A synchronous decision's estimate; returns (mode, reason): "local" to switch."""
+        self.sync_estimate = est
+        s = self.settings
+        step_local = est.compute_s + est.fixed_s
+        exchange = self._predicted_exchange(est)
+        every = self.predicted_every = choose_every(s.local_steps, s.target, step_local, exchange)
+        here = self.sync_score(est)
+        there = self.local_score(est, step_local, exchange, every)
+        return self._vote(here, there, "local steps H=%d: predicted %.1f ms per step, exchange %.1f ms (%.0f entries "
+                          "at %.0f Mbit/s); sync %.3f, local %.3f" % (every, 1e3 * step_local, 1e3 * exchange,
+                                                                      est.elements, est.bandwidth_bps / 1e6, here, there))
+
+    def after_local(self, step_s, exchange_s, every, wire_s=None):
+        """A local-steps decision's measured times (seconds per local step, seconds the exchange
+        blocked; with overlap, its wire time from launch to arrival) at H = ``every``; returns
+        (mode, reason): "sync" to switch."""
+        est = self.sync_estimate
+        if est is None:   # (local mode is entered from a synchronous decision, which sets it)
+            return self.mode, "no synchronous estimate"
+        transfer = max((wire_s if wire_s is not None else exchange_s) - est.messages * est.latency_s, 1e-6)
+        if wire_s is not None:   # what is left of the wire after the H steps it overlaps
+            exchange_s += max(0.0, wire_s - every * step_s)
+        bandwidth = 8.0 * est.elements * self.payload_per_entry / transfer
+        predicted = dataclasses.replace(est, bandwidth_bps=bandwidth)
+        here = self.local_score(est, step_s, exchange_s, every)
+        there = self.sync_score(predicted)
+        return self._vote(here, there, "link %.0f Mbit/s measured by the exchange of local steps (H=%d, %.1f ms per "
+                          "step, exchange %.1f ms); local %.3f, sync %.3f" % (bandwidth / 1e6, every, 1e3 * step_s,
+                                                                            1e3 * exchange_s, here, there))
+
+    def _vote(self, here, there, why):
+        other = MODES[1 - MODES.index(self.mode)]
+        self._held += 1
+        if there < (1.0 - self.settings.hysteresis / 2) * here and self._held > int(self.settings.window):
+            self._votes += 1
+        else:
+            self._votes = 0
+        if self._votes >= 2:
+            self.mode, self._votes, self._held = other, 0, 0
+            return other, "%s reaches the loss sooner: %s" % (other, why)
+        return self.mode, "steady: %s" % why
