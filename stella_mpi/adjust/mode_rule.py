@@ -30,7 +30,10 @@ What each side is predicted from:
   reduction inside the cluster, the optimizer, and the selection, which local steps do not pay,
   so local steps are predicted a little dear), and the exchange of the pseudo-gradient
   ``messages * latency + 8 * payload / bandwidth``, its payload the shard's entries
-  (``Estimate.elements``) times its compression's bytes per entry (with ``overlap`` the whole
+  (``Estimate.elements``) times its compression's bytes per entry, and the bandwidth the current
+  rung's payload over its whole predicted wire time, latency included (the controller's own
+  bandwidth, fitted from payloads of some KB, can be off by orders of magnitude for one of
+  some MB: measured on the byte LM at 20 Mbit/s, 12 to 128000 Mbit/s between windows) (with ``overlap`` the whole
   exchange is counted, though part of it would hide: the prediction is dear again). H is the
   one the local-steps rule would choose (:mod:`.local_steps_rule`: the smallest on the ladder that fits the target,
   else the largest).
@@ -49,7 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .controller import Estimate
+from .controller import Controller, Estimate
 
 MODES = ("sync", "local")
 
@@ -72,14 +75,14 @@ def choose_every(ladder, target, step_s, exchange_s):
 class ModeRule:
     """The mode decisions of one optimizer (one instance per rank, fed the same values).
 
-    ``sync_score(est)``: the controller's score of its current rung under ``est``;
+    ``controller``: the synchronous route's (its current rung is scored);
     ``pseudo_backlog(est)``: the backlog the pseudo-gradient's compression leaves;
     ``payload_per_entry``: the pseudo-gradient's wire bytes per shard entry (its compression);
     ``nclusters``: C."""
     settings: object
+    controller: Controller
     nclusters: int
     payload_per_entry: float
-    sync_score: Callable
     pseudo_backlog: Callable
     mode: str = "sync"
     sync_estimate: Optional[Estimate] = None   # the last synchronous one (kept through local mode)
@@ -91,9 +94,18 @@ class ModeRule:
         held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + self.pseudo_backlog(est)
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
 
+    def sync_score(self, est):
+        """The controller's score of its current rung under ``est``."""
+        return self.controller.score(est, self.controller._rung())
+
     def _predicted_exchange(self, est):
-        payload = est.elements * self.payload_per_entry
-        return est.messages * est.latency_s + 8.0 * payload / max(est.bandwidth_bps, 1.0)
+        """The pseudo-gradient's exchange: the current rung's predicted wire time, latency
+        included, scaled by the payloads' ratio, plus the latency."""
+        c = self.controller
+        now = est.elements * c.thc_bytes[c.bits] if c.bits else est.bytes_per_density * c.density
+        latency = est.messages * est.latency_s
+        wire = latency + 8.0 * now / max(est.bandwidth_bps, 1.0)
+        return latency + est.elements * self.payload_per_entry / max(now, 1.0) * wire
 
     def after_sync(self, est):
         """A synchronous decision's estimate; returns (mode, reason): "local" to switch."""

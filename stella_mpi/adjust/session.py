@@ -131,9 +131,11 @@ class AdjustSession:
 
     def resume(self):
         """The optimizer comes back from a pause (local steps, optim/mode_switch.py): the next
-        step starts a new window, untimed (its start is unknown). A pause starts only right after
-        a decision, so no gather is in flight."""
-        assert self._pending is None, "the adjuster's session paused with a telemetry gather in flight"
+        step starts a new window, untimed (its start is unknown). A gather still in flight (a
+        mode taken from a checkpoint mid-window: every rank submitted it) is completed and dropped."""
+        if self._pending is not None:
+            synchronize(self._pending[0])
+            self._pending = None
         self._t_end = self._t_enter = None
         self._idle = self._idle_inside = self._opt = 0.0
         self._sums[:] = 0.0

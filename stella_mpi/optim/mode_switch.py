@@ -30,7 +30,9 @@ import torch
 from ..adjust.mode_rule import ModeRule
 from ..adjust.session import thc_wire_bytes
 from ..api.allreduce import grouped_allreduce_async
+from ..api.functions import broadcast_object
 from ..api.handles import synchronize
+from ..api.queries import rank
 from ..api.reduce_ops import Average
 from ..base import timeline
 from ..comm.hierarchy import allreduce_bytes
@@ -82,8 +84,7 @@ class ModeSwitchMixin(LocalStepsMixin):
         if self._session is not None:
             ctrl = self._session.controller
             nclusters = self._process_set.topology.num_clusters
-            self._mode_rule = ModeRule(adjuster, nclusters, payload_per_entry(pseudo, nclusters),
-                                       lambda est: ctrl.score(est, ctrl._rung()),
+            self._mode_rule = ModeRule(adjuster, ctrl, nclusters, payload_per_entry(pseudo, nclusters),
                                        lambda est: pseudo_backlog(ctrl, est, pseudo))
 
     @property
@@ -188,6 +189,13 @@ class ModeSwitchMixin(LocalStepsMixin):
         out["stella_mode"] = self._mode
         return out
 
+    def _stella_sync_state(self, root_rank):
+        """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank
+        (a checkpoint loaded on the root alone may have changed its mode)."""
+        super()._stella_sync_state(root_rank)
+        mode = broadcast_object(self._mode if rank() == root_rank else None, root_rank, name="mode_switch.mode")
+        self._take_mode(mode)
+
     def load_state_dict(self, state_dict):
         """Load a checkpoint, and its mode (a checkpoint without one: synchronous); the
         parameters are taken as loaded, no exchange runs."""
@@ -196,12 +204,16 @@ class ModeSwitchMixin(LocalStepsMixin):
         if mode not in ("sync", "local"):
             raise ValueError("DistributedOptimizer checkpoint: stella_mode must be 'sync' or 'local', got %r" % (mode,))
         out = super().load_state_dict(state_dict)
+        self._take_mode(mode)
+        return out
+
+    def _take_mode(self, mode):
+        """Take ``mode`` as it is (a checkpoint's, the root's): no exchange runs."""
         if mode != self._mode and self._session is not None:
             if mode == "local" and not self._ls.anchor:
                 self._ls.capture(self._ls_named)
             self._set_route(mode)
             self._mode_rule.mode = mode
-        return out
 
 
 def check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,

@@ -655,6 +655,11 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     other.load_state_dict(saved)
     assert other.mode == "local" and other._process_set.size() == hvd.global_process_set.topology.cluster_size
     opt.sync_clusters()
+    third = _switching(_model(), hvd.Compression.fp16)    # Horovod's pattern: the root loads, then broadcasts
+    if hvd.rank() == 0:
+        third.load_state_dict(saved)
+    hvd.broadcast_optimizer_state(third, root_rank=0)
+    assert third.mode == "local" and third._process_set.size() == hvd.global_process_set.topology.cluster_size
     with pytest.raises(ValueError, match="stella_mode must be"):
         other.load_state_dict(dict(saved, stella_mode="fast"))
     sparse = hvd.Compression.topk(0.1)

@@ -23,8 +23,7 @@ def rule(settings, pseudo_bytes=0.5, pseudo_backlog=0.0, density=0.01):
     """A ModeRule over the controller at ``density``; the pseudo-gradient costs ``pseudo_bytes``
     per entry (THC 4 bits between two clusters is about that) and holds ``pseudo_backlog`` back."""
     ctrl = Controller(settings, density=density)
-    return ModeRule(settings, 2, pseudo_bytes, lambda est: ctrl.score(est, ctrl._rung()),
-                    lambda est: pseudo_backlog), ctrl
+    return ModeRule(settings, ctrl, 2, pseudo_bytes, lambda est: pseudo_backlog), ctrl
 
 
 def test_the_local_shape_is_zero_at_h1_and_grows_with_the_wait():
@@ -44,15 +43,17 @@ def test_choose_every_is_the_smallest_h_that_fits():
 def test_a_slow_link_moves_to_local_steps_after_the_dead_band():
     s = Adjuster(modes=("sync", "local"), window=2, min_density=0.01, max_density=0.01)
     r, ctrl = rule(s)
-    slow = estimate(20 * MBIT)   # 1 % top-k: 60 KB per step, 24 ms on the wire; THC 4 bits: 0.5 MB, 200 ms
+    slow = estimate(20 * MBIT)   # 1 % top-k: 60 KB per step, 24 ms on the wire; THC 4 bits: 0.5 MB
     for _ in range(3):           # window (2) decisions first, then the first vote
         mode, why = r.after_sync(slow)
         assert mode == "sync" and why.startswith("steady"), why
     mode, why = r.after_sync(slow)   # the second vote running
     assert mode == "local" and why.startswith("local reaches the loss sooner: local steps H=32"), why
     assert r.predicted_every == 32 and r.mode == "local"
-    # the prediction: 60 ms per local step, 200 ms of exchange amortized over 32 steps
-    exchange = 2 * 0.001 + 8 * 0.5e6 / (20 * MBIT)
+    # the prediction: 60 ms per local step; the exchange is the 1 % rung's wire time (2 ms of
+    # latency and 24 ms for 60 KB) scaled to 0.5 MB, plus the latency: 219 ms, over 32 steps
+    exchange = 0.002 + 0.5e6 / 60e3 * (0.002 + 8 * 60e3 / (20 * MBIT))
+    assert r._predicted_exchange(slow) == pytest.approx(exchange)
     assert choose_every(s.local_steps, s.target, 0.060, exchange) == 32
 
 
@@ -127,3 +128,13 @@ def test_the_modes_setting_is_validated():
             Adjuster(modes=bad)
     with pytest.raises(ValueError, match="time-to-loss objective"):
         Adjuster(modes=("sync", "local"), objective="step_time")
+
+
+def test_an_absurd_bandwidth_from_small_payloads_does_not_make_the_exchange_free():
+    """The controller fits its bandwidth from the sparse payloads (some KB), which can put it off
+    by orders of magnitude; the pseudo-gradient's exchange (some MB) is predicted from the
+    current rung's whole wire time instead, scaled by the payloads' ratio."""
+    s = Adjuster(modes=("sync", "local"), min_density=0.01, max_density=0.01)
+    r, _ = rule(s)
+    absurd = estimate(1e14)   # 60 KB "in 5 ns": the rung's wire time is its 2 ms of latency
+    assert r._predicted_exchange(absurd) == pytest.approx(0.002 + 0.5e6 / 60e3 * 0.002, rel=1e-5)
