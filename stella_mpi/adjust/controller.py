@@ -346,16 +346,17 @@ class Controller:
         """Predicted step time of a rung: a sparse one (bits 0) by its payload per unit density,
         a THC one by its entries times their wire cost, with its own fixed cost once measured
         (before: the sparse route's, and the rung is tried to measure it)."""
-        if bits:
-            payload = est.elements * self.thc_bytes[bits]
-            fixed = est.fixed_thc_s if est.fixed_thc_s is not None else est.fixed_s
-        else:
-            payload = est.bytes_per_density * density
-            fixed = est.fixed_s
+        payload = self.payload(est, density, bits)
+        fixed = est.fixed_thc_s if bits and est.fixed_thc_s is not None else est.fixed_s
         wire = est.messages * est.latency_s + 8.0 * payload / est.bandwidth_bps
         if self.overlap:
             return max(passes * est.compute_s, fixed + wire)
         return passes * est.compute_s + fixed + wire
+
+    def payload(self, est, density, bits=0):
+        """Wire bytes per step of a rung on the bottleneck channel: a sparse one's payload per
+        unit density times its density, a THC one's entries times their wire cost."""
+        return est.elements * self.thc_bytes[bits] if bits else est.bytes_per_density * density
 
     def backlog(self, est, density, bits=0):
         """The error-feedback backlog a rung leaves (residual-to-gradient norm ratio)."""

@@ -32,7 +32,9 @@ longer fits, move at once to the smallest H that fits (when none does: the large
 or the current H if it is larger still).
 The ladder is ``Adjuster.local_steps``. A smaller H costs more exchanges; a larger one lets the
 clusters drift apart for longer, which this rule does not measure: the loss is not seen, so
-the time-to-loss objective is refused with local steps.
+the time-to-loss objective is refused with local steps alone. (With ``Adjuster(modes=("sync",
+"local"))`` this rule still chooses H inside local steps, from ``target``; the time-to-loss
+objective compares the modes, charging the drift by a shape: :mod:`.mode_rule`.)
 """
 from dataclasses import dataclass, field
 
@@ -56,6 +58,22 @@ def period_times(rows):
     return max(float(r[0]) for r in rows), min(float(r[1]) for r in rows), min(by_cluster.values())
 
 
+def exchange_ratio(target, compute_s, exchange_s, every, wire_s=None):
+    """The step-time objective's ratio at H = ``every`` (<= 1: fits): the exchange, plus with
+    overlap what is left of the wire after the H steps it runs beside, amortized over H steps,
+    over the ``(target - 1) * compute_s`` a step may add."""
+    allowed = max((target - 1.0) * compute_s, 1e-9)
+    blocked = exchange_s + (max(0.0, wire_s - every * compute_s) if wire_s is not None else 0.0)
+    return blocked / every / allowed
+
+
+def smallest_fitting(ladder, target, compute_s, exchange_s, wire_s=None):
+    """The smallest H on ``ladder`` that fits the budget; the largest when none does (the rule's
+    choice without hysteresis: the H local steps start from when the adjuster switches to them)."""
+    fitting = [h for h in sorted(ladder) if exchange_ratio(target, compute_s, exchange_s, h, wire_s) <= 1.0]
+    return fitting[0] if fitting else max(ladder)
+
+
 @dataclass
 class LocalStepsRule:
     """The H decisions of one optimizer (one instance per rank, fed the same averages)."""
@@ -65,9 +83,7 @@ class LocalStepsRule:
     _recent: list = field(default_factory=list)    # (compute_s, exchange_s, wire_s) of the last exchanges
 
     def ratio(self, compute_s, exchange_s, every, wire_s=None):
-        allowed = max((self.settings.target - 1.0) * compute_s, 1e-9)
-        blocked = exchange_s + (max(0.0, wire_s - every * compute_s) if wire_s is not None else 0.0)
-        return blocked / every / allowed
+        return exchange_ratio(self.settings.target, compute_s, exchange_s, every, wire_s)
 
     def observe(self, compute_s, exchange_s, wire_s=None):
         """One exchange's measurements (``wire_s``: with overlap only); returns (H for the next

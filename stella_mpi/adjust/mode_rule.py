@@ -33,7 +33,12 @@ What each side is predicted from:
   (``Estimate.elements``) times its compression's bytes per entry, and the bandwidth the current
   rung's payload over its whole predicted wire time, latency included (the controller's own
   bandwidth, fitted from payloads of some KB, can be off by orders of magnitude for one of
-  some MB: measured on the byte LM at 20 Mbit/s, 12 to 128000 Mbit/s between windows) (with ``overlap`` the whole
+  some MB: measured on the byte LM at 20 Mbit/s, 12 to 128000 Mbit/s between windows). Where
+  the latency makes most of the rung's wire time, this overstates the exchange, and hardly
+  follows the link: on the byte LM it predicted 255-260 ms at 20 Mbit/s, 100 Mbit/s and
+  1 Gbit/s alike, so local steps were entered at H=32-64 and charged that H's backlog; at
+  1 Gbit/s the local-steps rule, measuring, went to H=8 three periods later. The error is on
+  the side of staying synchronous. (with ``overlap`` the whole
   exchange is counted, though part of it would hide: the prediction is dear again). H is the
   one the local-steps rule would choose (:mod:`.local_steps_rule`: the smallest on the ladder that fits the target,
   else the largest).
@@ -53,22 +58,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .controller import Controller, Estimate
-
-MODES = ("sync", "local")
-
+from .local_steps_rule import smallest_fitting
+from .settings import MODES
 
 def local_backlog_shape(every, nclusters):
     """The share of progress local steps hold back, in the sparse backlog's unit: the other
     clusters' share ``1 - 1/C``, for ``(H - 1) / 2`` steps on average."""
     return (1.0 - 1.0 / nclusters) * math.sqrt(max(every - 1, 0) / 2.0)
-
-
-def choose_every(ladder, target, step_s, exchange_s):
-    """The local-steps rule's H for these times (no hysteresis): the smallest on the ladder
-    whose amortized exchange fits ``(target - 1) * step_s``; else the largest."""
-    allowed = max((target - 1.0) * step_s, 1e-9)
-    fitting = [h for h in sorted(ladder) if exchange_s / h <= allowed]
-    return fitting[0] if fitting else max(ladder)
 
 
 @dataclass
@@ -102,7 +98,7 @@ class ModeRule:
         """The pseudo-gradient's exchange: the current rung's predicted wire time, latency
         included, scaled by the payloads' ratio, plus the latency."""
         c = self.controller
-        now = est.elements * c.thc_bytes[c.bits] if c.bits else est.bytes_per_density * c.density
+        now = c.payload(est, c.density, c.bits)
         latency = est.messages * est.latency_s
         wire = latency + 8.0 * now / max(est.bandwidth_bps, 1.0)
         return latency + est.elements * self.payload_per_entry / max(now, 1.0) * wire
@@ -113,7 +109,7 @@ class ModeRule:
         s = self.settings
         step_local = est.compute_s + est.fixed_s
         exchange = self._predicted_exchange(est)
-        every = self.predicted_every = choose_every(s.local_steps, s.target, step_local, exchange)
+        every = self.predicted_every = smallest_fitting(s.local_steps, s.target, step_local, exchange)
         here = self.sync_score(est)
         there = self.local_score(est, step_local, exchange, every)
         return self._vote(here, there, "local steps H=%d: predicted %.1f ms per step, exchange %.1f ms (%.0f entries "
@@ -125,8 +121,9 @@ class ModeRule:
         blocked; with overlap, its wire time from launch to arrival) at H = ``every``; returns
         (mode, reason): "sync" to switch."""
         est = self.sync_estimate
-        if est is None:   # (local mode is entered from a synchronous decision, which sets it)
-            return self.mode, "no synchronous estimate"
+        if est is None:   # a checkpoint without one: go back to measure the synchronous route
+            return self._vote(1.0, 0.0, "no estimate of the synchronous route (a checkpoint without one): it is "
+                                        "measured again")
         transfer = max((wire_s if wire_s is not None else exchange_s) - est.messages * est.latency_s, 1e-6)
         if wire_s is not None:   # what is left of the wire after the H steps it overlaps
             exchange_s += max(0.0, wire_s - every * step_s)
@@ -137,6 +134,17 @@ class ModeRule:
         return self._vote(here, there, "link %.0f Mbit/s measured by the exchange of local steps (H=%d, %.1f ms per "
                           "step, exchange %.1f ms); local %.3f, sync %.3f" % (bandwidth / 1e6, every, 1e3 * step_s,
                                                                             1e3 * exchange_s, here, there))
+
+    def take(self, mode, estimate=None):
+        """Take ``mode`` as it is (a checkpoint's, the root's), with the synchronous estimate
+        saved with it (a dict, or None); the dead band starts over."""
+        self.mode, self._votes, self._held = mode, 0, 0
+        if estimate is not None:
+            self.sync_estimate = Estimate(**estimate)
+
+    def saved_estimate(self):
+        """The synchronous estimate as a dict (for a checkpoint), or None."""
+        return dataclasses.asdict(self.sync_estimate) if self.sync_estimate is not None else None
 
     def _vote(self, here, there, why):
         other = MODES[1 - MODES.index(self.mode)]

@@ -4,6 +4,9 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
+MODES = ("sync", "local")   # the routes Adjuster(modes=...) moves between (adjust/mode_rule.py)
+
+
 @dataclass(frozen=True)
 class AdjusterSettings:
     """What the user asks of the adjuster, passed to DistributedOptimizer (public name
@@ -14,8 +17,8 @@ class AdjusterSettings:
     objective: "time_to_loss" (default: the least time per sample weighted by the
         error-feedback backlog, see :mod:`.controller`) or "step_time" (keep the step within
         ``target`` times compute).
-    target: "step_time" only: allowed step time as a multiple of compute time (forward +
-        backward), > 1.
+    target: "step_time", and the choice of local steps' H (also under ``modes``): allowed step
+        time as a multiple of compute time (forward + backward), > 1.
     backlog_cost: "time_to_loss" only: the share of a step's progress one unit of the
         residual-to-gradient norm ratio costs (calibrated on the byte-level LM).
     allow_accumulation: when even ``min_density`` cannot be hidden, raise
@@ -32,8 +35,8 @@ class AdjusterSettings:
         defaults otherwise). They sit on the ladder after the sparse densities below 1 and
         before dense. Empty (the default): densities only. Time-to-loss objective only.
     local_steps: the ladder of local steps H the adjuster chooses from for an optimizer with
-        ``local_steps=hvd.LocalSteps(...)`` (step-time objective only: see
-        :mod:`.local_steps_rule`); unused otherwise.
+        ``local_steps=hvd.LocalSteps(...)`` (by ``target``: see :mod:`.local_steps_rule`; the
+        step-time objective, or ``modes``); unused otherwise.
     modes: ("sync", "local") lets the adjuster move between the synchronous route (its
         densities and THC rungs) and local steps (its H ladder), on every rank at the same step
         (:mod:`.mode_rule`): pass ``local_steps=hvd.LocalSteps(...)`` and a sparse ``compression``
@@ -93,12 +96,12 @@ class AdjusterSettings:
                                                              for h in hs) or len(set(hs)) != len(hs):
             raise ValueError("Adjuster: local_steps must be distinct integers >= 1 (the ladder of H), got %r" % (hs,))
         object.__setattr__(self, "local_steps", tuple(sorted(hs)))
-        if not isinstance(self.modes, (tuple, list)) or tuple(sorted(self.modes)) not in ((), ("local", "sync")):
-            raise ValueError("Adjuster: modes must be () or ('sync', 'local'), got %r" % (self.modes,))
-        object.__setattr__(self, "modes", ("sync", "local") if self.modes else ())
+        if not isinstance(self.modes, (tuple, list)) or tuple(sorted(self.modes)) not in ((), tuple(sorted(MODES))):
+            raise ValueError("Adjuster: modes must be () or %r, got %r" % (MODES, self.modes))
+        object.__setattr__(self, "modes", MODES if self.modes else ())
         if self.modes and self.objective != "time_to_loss":
-            raise ValueError("Adjuster: modes=('sync', 'local') compares the modes by the time-to-loss objective; "
-                             "pass objective='time_to_loss'")
+            raise ValueError("Adjuster: modes=%r compares the modes by the time-to-loss objective; "
+                             "pass objective='time_to_loss'" % (MODES,))
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

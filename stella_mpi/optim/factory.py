@@ -100,8 +100,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if adjuster is not None and adjuster.modes:
         return _mode_switch_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
-                                      adjuster, momentum_correction, density_warmup, dense_below, local_clip,
-                                      local_steps)
+                                      adjuster, momentum_correction, density_warmup, dense_below, local_steps)
     if local_steps is not None:
         return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, groups, sparse_as_dense, process_set, engine,
@@ -197,13 +196,13 @@ def _check_pseudo_gradient(what, pseudo, local_steps, optimizer):
 
 def _mode_switch_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                            gradient_predivide_factor, groups, sparse_as_dense, process_set, engine, adjuster,
-                           momentum_correction, density_warmup, dense_below, local_clip, local_steps):
+                           momentum_correction, density_warmup, dense_below, local_steps):
     """The optimizer that moves between the synchronous route and local steps (optim/mode_switch.py)."""
-    check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,
-                      local_clip, adjuster, local_steps)
-    if not isinstance(local_steps, LocalSteps):
+    if local_steps is not None and not isinstance(local_steps, LocalSteps):
         raise ValueError("DistributedOptimizer(local_steps=...): pass an hvd.LocalSteps(every=...), not %r"
                          % type(local_steps).__name__)
+    check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,
+                      adjuster, local_steps)
     pseudo = local_steps.compression if local_steps.compression is not None else compression
     _check_pseudo_gradient("DistributedOptimizer(local_steps=...)", pseudo, local_steps, optimizer)
     cls = type(optimizer.__class__.__name__, (ModeSwitchMixin, _DistributedOptimizer, optimizer.__class__), {})

@@ -16,10 +16,14 @@ values on every rank, switches at the same step everywhere:
   rank holds the agreed parameters, and the next step is averaged over all ranks again, from
   the density the adjuster left.
 
-What each mode keeps through the other: the sparse route's error-feedback residuals (gradient
-mass not yet sent, sent when the route is back), the adjuster's estimates and rung, the local
-steps' H and outer momentum; the user's optimizer state goes on in both (its momentum follows the
-average over all ranks, then over the cluster, and is averaged over all ranks on the way back). Momentum correction, density warm-up,
+What each mode keeps through the other: the error-feedback residuals of the sparse route and of
+a compressed pseudo-gradient (progress not yet sent, sent when the route is back), the
+adjuster's estimates and rung (the controller's first decisions after a local phase still take
+windows from before it into their medians); the user's optimizer state goes on in both (its
+momentum follows the average over all ranks, then over the cluster, and is averaged over all
+ranks on the way back). Each local phase starts from the H the mode rule predicts, with the
+local-steps rule's history and the outer optimizer's momentum cleared (both belong to the
+last phase, possibly thousands of steps before). Momentum correction, density warm-up,
 ``dense_below``, ``local_clip`` and accumulation rungs are refused: each changes the gradient
 route's semantics in a way that local steps do not carry.
 """
@@ -29,6 +33,7 @@ import torch
 
 from ..adjust.mode_rule import ModeRule
 from ..adjust.session import thc_wire_bytes
+from ..adjust.settings import MODES
 from ..api.allreduce import grouped_allreduce_async
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
@@ -145,6 +150,7 @@ class ModeSwitchMixin(LocalStepsMixin):
         self._ls.capture(self._ls_named)
         self._ls.every = self._ls_rule.every = every
         self._ls_rule._recent, self._ls_rule._smaller = [], []   # the last local phase's times are old
+        self._ls.momentum = {}                                     # and so is its outer momentum
         self._ls.local_steps = 0
         self._ls_period_start = None
         self._ls_in_sync = True
@@ -184,41 +190,50 @@ class ModeSwitchMixin(LocalStepsMixin):
             return super().consensus_parameters()
         return {n: p.detach().clone() for n, p in self._ls_named}
 
+    def _saved_mode(self):
+        return {"mode": self._mode,
+                "sync_estimate": self._mode_rule.saved_estimate() if self._mode_rule is not None else None}
+
     def state_dict(self):
         out = super().state_dict()
-        out["stella_mode"] = self._mode
+        out["stella_mode"] = self._saved_mode()
         return out
 
     def _stella_sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank
         (a checkpoint loaded on the root alone may have changed its mode)."""
         super()._stella_sync_state(root_rank)
-        mode = broadcast_object(self._mode if rank() == root_rank else None, root_rank, name="mode_switch.mode")
-        self._take_mode(mode)
+        self._take_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None, root_rank,
+                                         name="mode_switch.mode"))
 
     def load_state_dict(self, state_dict):
         """Load a checkpoint, and its mode (a checkpoint without one: synchronous); the
         parameters are taken as loaded, no exchange runs."""
         state_dict = dict(state_dict)
-        mode = state_dict.pop("stella_mode", "sync")
-        if mode not in ("sync", "local"):
-            raise ValueError("DistributedOptimizer checkpoint: stella_mode must be 'sync' or 'local', got %r" % (mode,))
+        saved = state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None})
+        if not isinstance(saved, dict) or saved.get("mode") not in MODES:
+            raise ValueError("DistributedOptimizer checkpoint: stella_mode must be {'mode': one of %s, "
+                             "'sync_estimate': ...}, got %r" % (MODES, saved))
         out = super().load_state_dict(state_dict)
-        self._take_mode(mode)
+        self._take_mode(saved)
         return out
 
-    def _take_mode(self, mode):
-        """Take ``mode`` as it is (a checkpoint's, the root's): no exchange runs."""
-        if mode != self._mode and self._session is not None:
-            if mode == "local" and not self._ls.anchor:
+    def _take_mode(self, saved):
+        """Take the mode ``saved`` (a checkpoint's, the root's: {"mode", "sync_estimate"}) as it
+        is, no exchange run; the mode rule gets the synchronous estimate saved with it."""
+        if self._session is None:
+            return
+        if saved["mode"] != self._mode:
+            if saved["mode"] == "local" and not self._ls.anchor:
                 self._ls.capture(self._ls_named)
-            self._set_route(mode)
-            self._mode_rule.mode = mode
+            self._set_route(saved["mode"])
+        self._mode_rule.take(saved["mode"], saved.get("sync_estimate"))
 
 
 def check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,
-                      local_clip, adjuster, local_steps):
-    """Refuse, naming it, what the switching optimizer cannot carry."""
+                      adjuster, local_steps):
+    """Refuse, naming it, what the switching optimizer cannot carry (``local_clip`` with
+    ``local_steps`` is refused before, by DistributedOptimizer)."""
     what = "DistributedOptimizer(adjuster=hvd.Adjuster(modes=('sync', 'local')))"
     if local_steps is None:
         raise ValueError("%s switches to local steps: pass local_steps=hvd.LocalSteps(every=..., compression=...)"
@@ -226,9 +241,12 @@ def check_mode_switch(compression, engine, op, process_set, momentum_correction,
     if not getattr(compression, "sparse", False) or getattr(compression, "homomorphic", False):
         raise ValueError("%s: the synchronous route's compression must be sparse (cacheaware, topk, threshold, "
                          "randomk), got %r; THC rungs come from Adjuster(thc_bits=...)" % (what, compression))
+    if local_steps.overlap and local_steps.compression is not Compression.none:
+        raise ValueError("%s: LocalSteps(overlap=True) sends the pseudo-gradient uncompressed, outside the collective "
+                         "thread; pass LocalSteps(compression=hvd.Compression.none, overlap=True) (the optimizer's "
+                         "compression is the synchronous route's)" % what)
     for name, value in (("engine", engine), ("momentum_correction", momentum_correction),
-                        ("density_warmup", density_warmup), ("dense_below", dense_below),
-                        ("local_clip", local_clip)):
+                        ("density_warmup", density_warmup), ("dense_below", dense_below)):
         if value:
             raise ValueError("%s: %s=%r is not carried through local steps; leave it out" % (what, name, value))
     if op != Average:

@@ -571,30 +571,48 @@ def test_local_clip_clips_each_rank_before_the_reduction(compression):
                                  local_clip=-1.0)
 
 
-def _switching(model, pseudo=None, overlap=False, ladder=(4,), **adjuster):
+def _switching(model, pseudo=None, overlap=False, ladder=(4,), inner=_sgd, **adjuster):
     """The optimizer that moves between the synchronous route (top-k 10 %) and local steps."""
     return hvd.DistributedOptimizer(
-        _sgd(model), named_parameters=model.named_parameters(), compression=hvd.Compression.topk(0.1),
+        inner(model), named_parameters=model.named_parameters(), compression=hvd.Compression.topk(0.1),
         local_steps=hvd.LocalSteps(every=4, overlap=overlap, compression=pseudo),
         adjuster=hvd.Adjuster(modes=("sync", "local"), interval=1, window=1, min_density=0.1, max_density=0.1,
                               local_steps=ladder, **adjuster))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
-def test_mode_switch_moves_every_rank_at_the_same_step(overlap):
+def _adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _clusters_apart(model):
+    """True when ranks of one cluster hold the same parameters and the clusters differ."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0))
+    topo = hvd.global_process_set.topology
+    mine = [r for r in topo.cluster_members[topo.cluster_id]]
+    same = all(torch.equal(everyone[r], flat) for r in mine)
+    return same and any(not torch.equal(everyone[r], flat) for r in range(hvd.size()) if r not in mine)
+
+
+@pytest.mark.parametrize("overlap,inner", [(False, _sgd), (True, _sgd), (False, _adam)],
+                         ids=["blocking", "overlap", "adam"])
+def test_mode_switch_moves_every_rank_at_the_same_step(overlap, inner):
     """Adjuster(modes=("sync", "local")): the routes really change, on every rank at the same
     step. The mode rule's comparison is forced (its synchronous score made huge, then zero; the
     rule itself is unit-tested): synchronous steps keep every rank's parameters equal; local
     steps average inside each cluster only, so the clusters drift apart between exchanges; the
     way back waits for an exchange (with overlap, for sync_clusters) and then every rank holds
-    the same parameters again, and stays so."""
+    the same parameters again, and stays so (the optimizer's state, SGD's momentum or Adam's
+    moments, averaged over all ranks on the way)."""
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no exchange across clusters, nothing to switch")
     pseudo = hvd.Compression.none if overlap else hvd.Compression.fp16
-    log = []
+    log, apart = [], []
 
     def watch(step, model, opt):
         log.append((step, opt.mode, opt._process_set.size()))
+        if opt.mode == "local" and opt._ls.local_steps:
+            apart.append(_clusters_apart(model))
         if step == 2:
             opt._mode_rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
         if opt.mode == "sync":
@@ -602,7 +620,8 @@ def test_mode_switch_moves_every_rank_at_the_same_step(overlap):
         if step == 30:
             opt._mode_rule.sync_score = lambda est: 0.0            # synchronous wins again
 
-    model, opt = _train_with(lambda m: _switching(m, pseudo, overlap), 60, watch)
+    model, opt = _train_with(lambda m: _switching(m, pseudo, overlap, inner=inner), 60, watch)
+    assert apart and all(apart), apart
     modes = [m for _, m, _ in log]
     assert "local" in modes and modes[-1] == "sync", (log, opt.mode_reason)
     first = modes.index("local")
@@ -614,7 +633,7 @@ def test_mode_switch_moves_every_rank_at_the_same_step(overlap):
     assert all(x == everyone[0] for x in everyone), everyone
     assert back > first + 4, log   # at least one exchange (the second period is the first timed one)
     _assert_same_everywhere(model)
-    assert opt.state_dict()["stella_mode"] == "sync"
+    assert opt.state_dict()["stella_mode"]["mode"] == "sync"
 
 
 def test_mode_switch_to_local_steps_over_a_slow_link():
@@ -650,10 +669,17 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     _steps(model, opt, range(8))
     assert opt.mode == "local"
     saved = opt.state_dict()
-    assert saved["stella_mode"] == "local" and "stella_local_steps" in saved
-    other = _switching(_model(), hvd.Compression.fp16)
+    assert saved["stella_mode"]["mode"] == "local" and "stella_local_steps" in saved
+    assert saved["stella_mode"]["sync_estimate"]["bandwidth_bps"] > 0
+    other_model = _model()
+    other = _switching(other_model, hvd.Compression.fp16)
     other.load_state_dict(saved)
     assert other.mode == "local" and other._process_set.size() == hvd.global_process_set.topology.cluster_size
+    assert other._mode_rule.sync_estimate == opt._mode_rule.sync_estimate
+    other._mode_rule.sync_score = lambda est: 0.0   # it trains on after the load, and can come back
+    _steps(other_model, other, range(8, 40))
+    assert other.mode == "sync" and [m for _, m, _ in other.mode_switches] == ["sync"], other.mode_switches
+    _assert_same_everywhere(other_model)
     opt.sync_clusters()
     third = _switching(_model(), hvd.Compression.fp16)    # Horovod's pattern: the root loads, then broadcasts
     if hvd.rank() == 0:
@@ -669,7 +695,7 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), momentum_correction=True),
                        "momentum_correction=True is not carried"),
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2, overlap=True)),
-                       "overlap=True sends the pseudo-gradient")):
+                       r"pass LocalSteps\(compression=hvd.Compression.none, overlap=True\)")):
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), adjuster=modes, **kw)
     with pytest.raises(ValueError, match="pass one"):

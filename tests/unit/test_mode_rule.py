@@ -6,7 +6,8 @@ import math
 import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
-from stella_mpi.adjust.mode_rule import ModeRule, choose_every, local_backlog_shape
+from stella_mpi.adjust.local_steps_rule import smallest_fitting
+from stella_mpi.adjust.mode_rule import ModeRule, local_backlog_shape
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -34,10 +35,13 @@ def test_the_local_shape_is_zero_at_h1_and_grows_with_the_wait():
     assert local_backlog_shape(3, 2) < math.sqrt((1 - 0.5) / 0.5)
 
 
-def test_choose_every_is_the_smallest_h_that_fits():
-    assert choose_every((1, 2, 4, 8, 16), 1.2, 0.010, 0.030) == 16     # 30 ms / 16 fits 2 ms
-    assert choose_every((1, 2, 4, 8, 16), 1.2, 0.010, 0.001) == 1
-    assert choose_every((1, 4), 1.2, 0.010, 10.0) == 4                  # none fits: the largest
+def test_smallest_fitting_is_the_smallest_h_that_fits():
+    assert smallest_fitting((1, 2, 4, 8, 16), 1.2, 0.010, 0.030) == 16     # 30 ms / 16 fits 2 ms
+    assert smallest_fitting((1, 2, 4, 8, 16), 1.2, 0.010, 0.001) == 1
+    assert smallest_fitting((1, 4), 1.2, 0.010, 10.0) == 4                  # none fits: the largest
+    # overlap: 100 ms on the wire; 8 steps of 10 ms leave 20 ms of it to wait for, 16 hide it all
+    assert smallest_fitting((1, 2, 4, 8, 16), 1.2, 0.010, 0.002, wire_s=0.100) == 16
+    assert smallest_fitting((1, 2, 4, 8, 16), 1.2, 0.010, 0.001, wire_s=0.080) == 8   # 80 ms: 8 hide it
 
 
 def test_a_slow_link_moves_to_local_steps_after_the_dead_band():
@@ -54,7 +58,7 @@ def test_a_slow_link_moves_to_local_steps_after_the_dead_band():
     # latency and 24 ms for 60 KB) scaled to 0.5 MB, plus the latency: 219 ms, over 32 steps
     exchange = 0.002 + 0.5e6 / 60e3 * (0.002 + 8 * 60e3 / (20 * MBIT))
     assert r._predicted_exchange(slow) == pytest.approx(exchange)
-    assert choose_every(s.local_steps, s.target, 0.060, exchange) == 32
+    assert smallest_fitting(s.local_steps, s.target, 0.060, exchange) == 32
 
 
 def test_a_fast_link_stays_synchronous_when_local_steps_hold_more_back():
@@ -138,3 +142,25 @@ def test_an_absurd_bandwidth_from_small_payloads_does_not_make_the_exchange_free
     r, _ = rule(s)
     absurd = estimate(1e14)   # 60 KB "in 5 ns": the rung's wire time is its 2 ms of latency
     assert r._predicted_exchange(absurd) == pytest.approx(0.002 + 0.5e6 / 60e3 * 0.002, rel=1e-5)
+
+
+def test_a_rule_without_a_synchronous_estimate_goes_back_to_measure_it():
+    """A checkpoint saved in local mode without the synchronous estimate: after the dead band the
+    rule returns to the synchronous route (to measure it) instead of staying local for good."""
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    r, _ = rule(s)
+    r.take("local")
+    modes = [r.after_local(0.060, 0.010, 4)[0] for _ in range(3)]
+    assert modes == ["local", "local", "sync"]
+    assert r.mode == "sync"
+
+
+def test_take_restores_the_estimate_and_restarts_the_dead_band():
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    r, _ = rule(s)
+    for _ in range(3):
+        r.after_sync(estimate(20 * MBIT))
+    saved = r.saved_estimate()
+    r2, _ = rule(s)
+    r2.take("local", saved)
+    assert r2.sync_estimate == r.sync_estimate and r2.mode == "local" and r2._held == 0 and r2._votes == 0
