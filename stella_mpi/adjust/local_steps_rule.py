@@ -82,6 +82,11 @@ class LocalStepsRule:
     _smaller: list = field(default_factory=list)   # the smaller H that fitted in the last decisions
     _recent: list = field(default_factory=list)    # (compute_s, exchange_s, wire_s) of the last exchanges
 
+    def restart(self, every):
+        """Start over from H = ``every``, the past exchanges forgotten (a new phase of local
+        steps: adjust/mode_rule.py)."""
+        self.every, self._recent, self._smaller = every, [], []
+
     def ratio(self, compute_s, exchange_s, every, wire_s=None):
         return exchange_ratio(self.settings.target, compute_s, exchange_s, every, wire_s)
 

@@ -148,9 +148,9 @@ class ModeSwitchMixin(LocalStepsMixin):
         where the mode rule predicted the local-steps rule would put it."""
         every = self._mode_rule.predicted_every
         self._ls.capture(self._ls_named)
-        self._ls.every = self._ls_rule.every = every
-        self._ls_rule._recent, self._ls_rule._smaller = [], []   # the last local phase's times are old
-        self._ls.momentum = {}                                     # and so is its outer momentum
+        self._ls.every = every
+        self._ls_rule.restart(every)   # the last local phase's times are old
+        self._ls.momentum = {}         # and so is its outer momentum
         self._ls.local_steps = 0
         self._ls_period_start = None
         self._ls_in_sync = True
