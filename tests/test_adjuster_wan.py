@@ -44,3 +44,34 @@ def test_all_ranks_switch_at_the_same_step(tmp_path):
             assert rec["density"] == pytest.approx(current), rec
             # and the exchange really sent that density (not just the controller reporting itself)
             assert rec["sent_density"] == pytest.approx(current, rel=0.2), rec
+
+
+@needs_netns
+def test_the_switching_optimizer_moves_every_rank_at_the_same_step(tmp_path):
+    """hvd.Adjuster(modes=("sync", "local")) over the emulated WAN (1 Gbit/s, then 20 Mbit/s from
+    6 s): the byte LM starts on the sparse route and the adjuster moves it to local steps with
+    THC pseudo-gradients (on this model they win at every rate: README); every rank switches at
+    the same step, and each step ran on the route in effect."""
+    exe = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    dec = str(tmp_path / "dec")
+    cmd = [exe, "-np", "4", "--clusters", "2", "--wan", "1gbit", "--wan-schedule", "6:20mbit",
+           "--timeout", "240", sys.executable, "bench/e2e_train.py", "--mode", "switch:cacheaware",
+           "--workload", "lm", "--hidden", "1024", "--steps", "100000", "--time-budget", "25", "--density", "0.01",
+           "--bits", "4", "--min-density", "0.001", "--max-density", "0.1",
+           "--out", str(tmp_path / "run.json"), "--decisions-out", dec]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "WAN rate now 20 Mbit/s" in out
+    ranks = []
+    for r in range(4):
+        with open("%s.rank%d" % (dec, r)) as f:
+            ranks.append(json.load(f)["mode_switches"])
+    assert all(s == ranks[0] for s in ranks[1:]), ranks
+    assert ranks[0] and ranks[0][0][1] == "local", ranks[0]
+    with open(tmp_path / "run.json") as f:
+        records = json.load(f)["records"]
+    route, switches = "sync", dict(ranks[0])
+    for rec in records:   # a record's route is the one of the next step: a switch at step s shows from record s
+        route = switches.get(rec["step"], route)
+        assert rec["route"] == route, (rec["step"], rec["route"], ranks[0])
