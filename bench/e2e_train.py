@@ -147,6 +147,8 @@ def main():
     p.add_argument("--min-density", type=float, default=1e-3)
     p.add_argument("--max-density", type=float, default=0.1)
     p.add_argument("--target", type=float, default=1.2, help="adjuster: step time / compute time allowed")
+    p.add_argument("--objective", choices=["time_to_loss", "step_time"], default="time_to_loss",
+                   help="adapt modes: the adjuster's objective")
     p.add_argument("--decisions-out", help="adapt modes: every rank writes its decisions and telemetry "
                                            "to this path + '.rank<N>'")
     p.add_argument("--time-budget", type=float, default=0.0,
@@ -198,7 +200,7 @@ def main():
                 else hvd.Compression.none
         if kind in ("adapt", "cpuadapt"):
             adjuster = hvd.Adjuster(min_density=args.min_density, max_density=args.max_density, target=args.target,
-                                    thc_bits=tuple(args.thc_bits))
+                                    thc_bits=tuple(args.thc_bits), objective=args.objective)
         if kind in ("cpu", "cpuadapt"):
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            engine="cpu", staleness=1, model=model, adjuster=adjuster)

@@ -20,7 +20,8 @@ def test_all_ranks_switch_at_the_same_step(tmp_path):
     dec = str(tmp_path / "dec")
     cmd = [exe, "-np", "4", "--clusters", "2", "--wan", "500mbit", "--wan-schedule", "6:100mbit,14:500mbit",
            "--timeout", "240", sys.executable, "bench/e2e_train.py", "--mode", "adapt:cacheaware",
-           "--workload", "lm", "--hidden", "2048", "--steps", "120", "--target", "1.3", "--density", "0.1",
+           "--workload", "lm", "--hidden", "2048", "--steps", "120", "--objective", "step_time", "--target", "1.3",
+           "--density", "0.1",
            "--out", str(tmp_path / "run.json"), "--decisions-out", dec]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
