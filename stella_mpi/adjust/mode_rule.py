@@ -17,36 +17,36 @@ measured scale). Local steps hold back every entry of the other C - 1 clusters' 
 (H - 1) / 2 steps on average, and apply the cluster's own at once: the same shape with 1/d - 1
 replaced by (H - 1) / 2 and scaled by the share held back, with the same kappa and
 ``backlog_cost``, so one calibration serves both. (The drift of a period is not measured: at
-equal steps on the byte-level LM, local 8 and local 16 ended within 0.3 % of dense, where the
-sparse route at 1 % without momentum correction ended 1-5 % above: bench/bench_parity.py. The
+equal steps on the byte-level LM, local 8 and local 16 with THC 4-bit pseudo-gradients ended
+0.2-0.3 % below dense on average over four seeds, where the sparse route at 1 % ended above it,
+top-k with momentum correction +0.6 %, cache-aware blocks +4.8 %: bench/bench_parity.py. The
 shape charges local steps less than sparse rungs of the same wait, as those numbers say.)
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
 it for the synchronous rung of that compression (a sparse density, THC bits; none and fp16: 0).
 
 What each side is predicted from:
 
-* In sync mode, every adjuster decision (:class:`.controller.Estimate`): a local step costs
-  what a synchronous step costs besides the WAN exchange (``compute_s + fixed_s``: the
-  reduction inside the cluster, the optimizer, and the selection, which local steps do not pay,
-  so local steps are predicted a little dear), and the exchange of the pseudo-gradient
-  ``messages * latency + 8 * payload / bandwidth``, its payload the shard's entries
-  (``Estimate.elements``) times its compression's bytes per entry, and the bandwidth the current
-  rung's payload over its whole predicted wire time, latency included (the controller's own
-  bandwidth, fitted from payloads of some KB, can be off by orders of magnitude for one of
-  some MB: measured on the byte LM at 20 Mbit/s, 12 to 128000 Mbit/s between windows). Where
-  the latency makes most of the rung's wire time, this overstates the exchange, and hardly
-  follows the link: on the byte LM it predicted 255-260 ms at 20 Mbit/s, 100 Mbit/s and
-  1 Gbit/s alike, so local steps were entered at H=32-64 and charged that H's backlog; at
-  1 Gbit/s the local-steps rule, measuring, went to H=8 three periods later. The error is on
-  the side of staying synchronous. (with ``overlap`` the whole
-  exchange is counted, though part of it would hide: the prediction is dear again). H is the
-  one the local-steps rule would choose (:mod:`.local_steps_rule`: the smallest on the ladder that fits the target,
-  else the largest).
-* In local mode, every exchange (measured compute per local step and exchange time; with
-  overlap, the wire time beyond the H steps it overlaps counts too): the bandwidth is the
-  pseudo-gradient's payload over the exchange's time (with overlap, its wire time) (an exchange also holds
-  the outer update, so the link is measured a little slow and sync predicted a little dear),
-  put into the last synchronous estimate, whose rung the controller scores.
+* In sync mode, every adjuster decision (:class:`.controller.Estimate`). A local step costs what
+  a synchronous step costs besides the WAN exchange (``compute_s + fixed_s``: the reduction
+  inside the cluster, the optimizer, and the selection, which local steps do not pay, so local
+  steps are predicted a little dear). The pseudo-gradient's exchange is the current rung's
+  whole predicted wire time, latency included, scaled by the payloads' ratio (its payload: the
+  shard's entries, ``Estimate.elements``, times its compression's bytes per entry), plus the
+  latency. The controller's own bandwidth, fitted from payloads of some KB, can be off by
+  orders of magnitude for one of some MB (measured on the byte LM at 20 Mbit/s: 12 to 128000
+  Mbit/s between windows), so it is not used alone. Where latency makes most of the rung's
+  wire time, this overstates the exchange and hardly follows the link: on the byte LM it
+  predicted 255-260 ms at 20 Mbit/s, 100 Mbit/s and 1 Gbit/s alike, so local steps were
+  entered at H=32-64 and charged that H's backlog (at 1 Gbit/s the local-steps rule, measuring,
+  went to H=8 three periods later). With ``overlap`` the whole exchange is counted, though
+  part of it would hide. Both errors are on the side of staying synchronous. H is the one the
+  local-steps rule would choose without hysteresis (:func:`.local_steps_rule.smallest_fitting`).
+* In local mode, every exchange: the measured compute per local step and exchange time (with
+  overlap, also the wire time beyond the H steps it runs beside). The bandwidth is the
+  pseudo-gradient's payload over the exchange's time (with overlap, its wire time); an
+  exchange also holds the outer update, so the link is measured a little slow and sync
+  predicted a little dear. It is put into the last synchronous estimate, whose rung the
+  controller scores.
 
 Hysteresis, as the controller's: the other mode is taken when its score is below ``1 - h/2``
 times the current mode's, in two decisions running, and not before ``Adjuster.window`` decisions
@@ -60,6 +60,7 @@ from typing import Callable, Optional
 from .controller import Controller, Estimate
 from .local_steps_rule import smallest_fitting
 from .settings import MODES
+
 
 def local_backlog_shape(every, nclusters):
     """The share of progress local steps hold back, in the sparse backlog's unit: the other
