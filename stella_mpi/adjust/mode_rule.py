@@ -138,10 +138,10 @@ class ModeRule:
 
     def take(self, mode, estimate=None):
         """Take ``mode`` as it is (a checkpoint's, the root's), with the synchronous estimate
-        saved with it (a dict, or None); the dead band starts over."""
+        saved with it (an Estimate, or None); the dead band starts over."""
         self.mode, self._votes, self._held = mode, 0, 0
         if estimate is not None:
-            self.sync_estimate = Estimate(**estimate)
+            self.sync_estimate = estimate
 
     def saved_estimate(self):
         """The synchronous estimate as a dict (for a checkpoint), or None."""

@@ -27,10 +27,13 @@ last phase, possibly thousands of steps before). Momentum correction, density wa
 ``dense_below``, ``local_clip`` and accumulation rungs are refused: each changes the gradient
 route's semantics in a way that local steps do not carry.
 """
+import dataclasses
 import logging
+import math
 
 import torch
 
+from ..adjust.controller import Estimate
 from ..adjust.mode_rule import ModeRule
 from ..adjust.session import thc_wire_bytes
 from ..adjust.settings import MODES
@@ -203,31 +206,44 @@ class ModeSwitchMixin(LocalStepsMixin):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank
         (a checkpoint loaded on the root alone may have changed its mode)."""
         super()._stella_sync_state(root_rank)
-        self._take_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None, root_rank,
-                                         name="mode_switch.mode"))
+        self._take_mode(*_checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
+                                                        root_rank, name="mode_switch.mode")))
 
     def load_state_dict(self, state_dict):
         """Load a checkpoint, and its mode (a checkpoint without one: synchronous); the
         parameters are taken as loaded, no exchange runs."""
         state_dict = dict(state_dict)
-        saved = state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None})
-        if not isinstance(saved, dict) or saved.get("mode") not in MODES:
-            raise ValueError("DistributedOptimizer checkpoint: stella_mode must be {'mode': one of %s, "
-                             "'sync_estimate': ...}, got %r" % (MODES, saved))
+        mode, estimate = _checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}))
         out = super().load_state_dict(state_dict)
-        self._take_mode(saved)
+        self._take_mode(mode, estimate)
         return out
 
-    def _take_mode(self, saved):
-        """Take the mode ``saved`` (a checkpoint's, the root's: {"mode", "sync_estimate"}) as it
-        is, no exchange run; the mode rule gets the synchronous estimate saved with it."""
+    def _take_mode(self, mode, estimate):
+        """Take ``mode`` (a checkpoint's, the root's) as it is, no exchange run; the mode rule
+        gets the synchronous ``estimate`` saved with it (or None)."""
         if self._session is None:
             return
-        if saved["mode"] != self._mode:
-            if saved["mode"] == "local" and not self._ls.anchor:
+        if mode != self._mode:
+            if mode == "local" and not self._ls.anchor:
                 self._ls.capture(self._ls_named)
-            self._set_route(saved["mode"])
-        self._mode_rule.take(saved["mode"], saved.get("sync_estimate"))
+            self._set_route(mode)
+        self._mode_rule.take(mode, estimate)
+
+
+def _checked_mode(saved):
+    """(mode, Estimate or None) from a checkpoint's ``stella_mode``; ValueError naming what is
+    wrong (before anything is loaded)."""
+    what = "DistributedOptimizer checkpoint: stella_mode"
+    if not isinstance(saved, dict) or saved.get("mode") not in MODES:
+        raise ValueError("%s must be {'mode': one of %s, 'sync_estimate': ...}, got %r" % (what, MODES, saved))
+    est = saved.get("sync_estimate")
+    if est is None:
+        return saved["mode"], None
+    fields = {f.name for f in dataclasses.fields(Estimate)}
+    if not isinstance(est, dict) or set(est) != fields or not all(
+            v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in est.values()):
+        raise ValueError("%s: sync_estimate must hold the numbers %s, got %r" % (what, sorted(fields), est))
+    return saved["mode"], Estimate(**est)
 
 
 def check_mode_switch(compression, engine, op, process_set, momentum_correction, density_warmup, dense_below,

@@ -688,6 +688,9 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     assert third.mode == "local" and third._process_set.size() == hvd.global_process_set.topology.cluster_size
     with pytest.raises(ValueError, match="stella_mode must be"):
         other.load_state_dict(dict(saved, stella_mode="fast"))
+    bad = dict(saved["stella_mode"]["sync_estimate"], bandwidth_bps=float("nan"))
+    with pytest.raises(ValueError, match="sync_estimate must hold the numbers"):
+        other.load_state_dict(dict(saved, stella_mode={"mode": "local", "sync_estimate": bad}))
     sparse = hvd.Compression.topk(0.1)
     modes = hvd.Adjuster(modes=("sync", "local"))
     for kw, match in ((dict(compression=sparse), "pass local_steps"),

@@ -161,6 +161,7 @@ def test_take_restores_the_estimate_and_restarts_the_dead_band():
     for _ in range(3):
         r.after_sync(estimate(20 * MBIT))
     saved = r.saved_estimate()
+    assert isinstance(saved, dict)
     r2, _ = rule(s)
-    r2.take("local", saved)
+    r2.take("local", Estimate(**saved))
     assert r2.sync_estimate == r.sync_estimate and r2.mode == "local" and r2._held == 0 and r2._votes == 0
