@@ -705,3 +705,15 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
         hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                  compression=hvd.Compression.fp16,
                                  local_steps=hvd.LocalSteps(every=2, compression=hvd.Compression.fp16))
+
+
+def test_mode_switch_with_one_cluster_stays_synchronous():
+    """One cluster: nothing crosses a WAN, so there is no adjuster session and nothing to
+    switch: the optimizer is the synchronous one (every rank the same parameters)."""
+    if hvd.global_process_set.topology.num_clusters > 1:
+        pytest.skip("several clusters: the switching tests above")
+    model, opt = _train_with(lambda m: _switching(m, hvd.Compression.fp16), 6)
+    opt.sync_clusters()
+    assert opt.mode == "sync" and opt.mode_switches == [] and opt.adjust_decisions == []
+    assert opt.state_dict()["stella_mode"] == {"mode": "sync", "sync_estimate": None}
+    _assert_same_everywhere(model)
