@@ -286,16 +286,18 @@ def _train_with(make_opt, steps, after_step=None):
     return model, opt
 
 
-@pytest.mark.parametrize("compression", ["none", "topk1"])
+@pytest.mark.parametrize("compression", ["none", "topk1", "topk1-in-LocalSteps"])
 def test_local_steps_every_step_averaged_is_synchronous_training(compression):
     """hvd.LocalSteps(every=1, outer="average") with no loss in the exchange (none, or a sparse
-    compressor at density 1) is synchronous momentum SGD: the mean of the clusters' velocities
-    is the velocity of the mean gradient."""
+    compressor at density 1, given to the optimizer or as LocalSteps(compression=...)) is
+    synchronous momentum SGD: the mean of the clusters' velocities is the velocity of the mean
+    gradient."""
     comp = hvd.Compression.none if compression == "none" else hvd.Compression.topk(density=1.0)
+    own = compression.endswith("in-LocalSteps")
     ref, _ = _train_with(lambda m: hvd.DistributedOptimizer(_sgd(m), named_parameters=m.named_parameters()), 6)
     model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
-        _sgd(m), named_parameters=m.named_parameters(), compression=comp,
-        local_steps=hvd.LocalSteps(every=1, outer="average")), 6)
+        _sgd(m), named_parameters=m.named_parameters(), compression=hvd.Compression.none if own else comp,
+        local_steps=hvd.LocalSteps(every=1, outer="average", compression=comp if own else None)), 6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     _assert_same_everywhere(model)
@@ -589,7 +591,7 @@ def _clusters_apart(model):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.unsqueeze(0))
     topo = hvd.global_process_set.topology
-    mine = [r for r in topo.cluster_members[topo.cluster_id]]
+    mine = list(topo.cluster_members[topo.cluster_id])
     same = all(torch.equal(everyone[r], flat) for r in mine)
     return same and any(not torch.equal(everyone[r], flat) for r in range(hvd.size()) if r not in mine)
 
@@ -681,11 +683,24 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     assert other.mode == "sync" and [m for _, m, _ in other.mode_switches] == ["sync"], other.mode_switches
     _assert_same_everywhere(other_model)
     opt.sync_clusters()
-    third = _switching(_model(), hvd.Compression.fp16)    # Horovod's pattern: the root loads, then broadcasts
+    # Horovod's pattern: the root loads, then broadcasts; here mid-window of a synchronous run
+    # (interval 1: a telemetry gather is in flight after every step), which the way back completes
+    third_model = _model()
+    third = _switching(third_model, hvd.Compression.fp16)
+    _steps(third_model, third, range(2))
+    assert third.mode == "sync" and third._session._pending is not None
     if hvd.rank() == 0:
         third.load_state_dict(saved)
     hvd.broadcast_optimizer_state(third, root_rank=0)
+    hvd.broadcast_parameters(third_model.state_dict(), root_rank=0)
     assert third.mode == "local" and third._process_set.size() == hvd.global_process_set.topology.cluster_size
+    third._mode_rule.sync_score = lambda est: 0.0
+    _steps(third_model, third, range(2, 30))
+    assert third.mode == "sync"
+    decided = len(third.adjust_decisions)
+    _steps(third_model, third, range(30, 36))   # the session, resumed, decides again
+    assert len(third.adjust_decisions) > decided
+    _assert_same_everywhere(third_model)
     with pytest.raises(ValueError, match="stella_mode must be"):
         other.load_state_dict(dict(saved, stella_mode="fast"))
     bad = dict(saved["stella_mode"]["sync_estimate"], bandwidth_bps=float("nan"))
@@ -698,9 +713,17 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), momentum_correction=True),
                        "momentum_correction=True is not carried"),
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2, overlap=True)),
-                       r"pass LocalSteps\(compression=hvd.Compression.none, overlap=True\)")):
+                       r"pass LocalSteps\(compression=hvd.Compression.none, overlap=True\)"),
+                      (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), op=hvd.Sum), "op must be"),
+                      (dict(compression=sparse, local_steps=2), "pass an hvd.LocalSteps")):
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), adjuster=modes, **kw)
+    with pytest.raises(ValueError, match="allow_accumulation and batch_split are not carried"):
+        hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), compression=sparse,
+                                 local_steps=hvd.LocalSteps(every=2),
+                                 adjuster=hvd.Adjuster(modes=("sync", "local"), allow_accumulation=True))
+    with pytest.raises(ValueError, match="LocalSteps: compression must be an hvd.Compression"):
+        hvd.LocalSteps(every=2, compression="fp16")
     with pytest.raises(ValueError, match="pass one"):
         hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                  compression=hvd.Compression.fp16,
