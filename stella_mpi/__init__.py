@@ -8,8 +8,10 @@ intra-cluster backends, the two-level route), ``core`` (state, process sets, the
 thread, executors), ``api`` (Horovod's functions), ``adjust`` (the bandwidth-driven
 adjuster), ``optim`` (DistributedOptimizer), ``elastic`` (Horovod's elastic API). The launcher is the separate package ``stellarun``.
 """
+from .base.config import wan_route_setting as _wan_route_setting
 from .comm.process_watchdog import import_mpi as _import_mpi
 
+_wan_route_setting()   # an unknown STELLA_WAN_ROUTE is refused here, before any rank waits on MPI
 _import_mpi()   # first: MPI_Init waits for every rank, under the STELLA_TIMEOUT deadline
 
 from .adjust.settings import Adjuster  # noqa: F401,E402
@@ -37,8 +39,9 @@ from .api.reducescatter import (grouped_reducescatter, grouped_reducescatter_asy
 from .base.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError  # noqa: F401,E402
 from .compression import Compression  # noqa: F401,E402
 from .core.process_sets import ProcessSet, global_process_set  # noqa: F401,E402
-from .optim.factory import DistributedOptimizer  # noqa: F401,E402
-from .optim.local_steps import LocalSteps  # noqa: F401,E402
+from .optim.distributed import DistributedOptimizer  # noqa: F401,E402
+from .optim.outer_sync import LocalSteps  # noqa: F401,E402
+from .optim.spec import CpuEngine  # noqa: F401,E402
 from . import elastic  # noqa: F401,E402
 
 __version__ = "0.1.0"

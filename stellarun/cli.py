@@ -129,6 +129,8 @@ def settings_env(args):
         env[OUTPUT_DIR_VAR] = os.path.abspath(args.output_filename)
     if args.network_interface:
         env["STELLA_GLOO_IFNAME"] = args.network_interface
+    if args.wan_route:
+        env["STELLA_WAN_ROUTE"] = args.wan_route
     if args.fusion_threshold_mb is not None:
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(float(args.fusion_threshold_mb) * 1024 * 1024))
     if args.cycle_time_ms is not None:
@@ -546,6 +548,9 @@ def parse(argv):
     p.add_argument("--wan-schedule", metavar="T:RATE,...", type=_parsed_by("parse_schedule"), help="change the WAN rate at these seconds ('down': cut the link until the next entry)")
     p.add_argument("--wan-delay", metavar="DELAY", type=_parsed_by("parse_delay"), default=0.0,
                    help="one-way delay on the emulated WAN (e.g. 30ms)")
+    p.add_argument("--wan-route", choices=["auto", "dense"],
+                   help="what crosses between clusters when the script names no stella compressor (STELLA_WAN_ROUTE): "
+                        "'auto' (the default: the adjuster chooses) or 'dense' (Horovod's exact numerics)")
     p.add_argument("-H", "--hosts", help="hosts and their slots, host1:4,host2:4 (horovodrun's -H); each host is a "
                    "cluster unless --cluster-of says otherwise")
     p.add_argument("--network-interface", metavar="IFACE",

@@ -125,6 +125,21 @@ class Config:
         )
 
 
+WAN_ROUTES = ("auto", "dense")   # STELLA_WAN_ROUTE (stellarun --wan-route)
+
+
+def wan_route_setting():
+    """``STELLA_WAN_ROUTE``: what crosses the WAN when a Horovod script asked for no stella
+    compressor. "auto" (the default): the adjuster chooses the route (optim/tuning.py); "dense":
+    Horovod's exact dense numerics. Read when the package is imported (an unknown value is
+    refused there) and when a DistributedOptimizer is built."""
+    value = str(os.environ.get("STELLA_WAN_ROUTE", "")).strip().lower() or "auto"
+    if value not in WAN_ROUTES:
+        raise ValueError("STELLA_WAN_ROUTE=%r: use %s (or leave it unset for 'auto')"
+                         % (os.environ.get("STELLA_WAN_ROUTE"), " or ".join(repr(v) for v in WAN_ROUTES)))
+    return value
+
+
 def cpu_cores_setting():
     """``STELLA_CPU_CORES`` as written ("" when unset), read when a CPU-engine optimizer plans its
     worker pool (stella_mpi._native.pool.plan_cores parses it)."""
