@@ -108,10 +108,25 @@ class SparseCompressor(Compressor):
     name = "sparse"
     sparse = True
 
-    def __init__(self, density=0.01, value_dtype="float32", error_feedback=True):
+    # the DistributedOptimizer's options of the sparse route (hvd.allreduce ignores them): DGC's
+    # momentum correction ("auto": on for SGD with momentum; optim/momentum_correction.py) and
+    # its density warm-up (steps over which the density falls from 25 % to ``density``; measured
+    # at parity with dense together: bench/bench_parity.py)
+    WARMUP = 50
+
+    def __init__(self, density=0.01, value_dtype="float32", error_feedback=True, momentum_correction="auto",
+                 warmup=WARMUP):
         density = float(density)
         if not (0.0 < density <= 1.0):
             raise ValueError("density must be in (0, 1], got %r" % density)
+        if not any(momentum_correction is v for v in (True, False)) and momentum_correction != "auto":
+            raise ValueError("momentum_correction must be 'auto' (on for SGD with momentum), True or False; got %r"
+                             % (momentum_correction,))
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError("warmup is the number of steps over which the density falls from 25 %% to density "
+                             "(an int >= 0); got %r" % (warmup,))
+        self.momentum_correction = momentum_correction
+        self.warmup = warmup
         self.density = density
         # keep what was not sent and add it to the next step's gradient (the exchange
         # passes a Memory to select() only when this is on)
@@ -123,6 +138,10 @@ class SparseCompressor(Compressor):
     def __repr__(self):
         return "%s(density=%g, value_dtype=%r, error_feedback=%s)" % (type(self).__name__, self.density,
                                                                      self.value_dtype, self.error_feedback)
+
+    def route_options(self):
+        """The sparse route's options as keyword arguments (momentum correction, warm-up)."""
+        return {"momentum_correction": self.momentum_correction, "warmup": self.warmup}
 
     def settings(self):
         return (self.name, self.density, self.value_dtype, self.error_feedback) + self._extra_settings()

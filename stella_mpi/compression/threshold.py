@@ -12,8 +12,8 @@ class ThresholdCompressor(SparseCompressor):
     only speeds the exact selection up)."""
     name = "threshold"
 
-    def __init__(self, density=0.01, value_dtype="float32", exact=False, slack=2.0, error_feedback=True):
-        super().__init__(density, value_dtype, error_feedback)
+    def __init__(self, density=0.01, value_dtype="float32", exact=False, slack=2.0, error_feedback=True, **route):
+        super().__init__(density, value_dtype, error_feedback, **route)
         self.exact = bool(exact)
         self.slack = float(slack)
         if not self.slack >= 1.0:
