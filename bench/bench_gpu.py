@@ -201,8 +201,9 @@ def worker(args):
         torch.manual_seed(0)
         model = mlp(width, hidden, depth).to(dev)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                       named_parameters=model.named_parameters(), engine="cpu", staleness=staleness,
-                                       model=model, compression=hvd.Compression.cacheaware(density=args.density))
+                                       named_parameters=model.named_parameters(),
+                                       engine=hvd.CpuEngine(staleness=staleness, warmup=0, model=model),
+                                       compression=hvd.Compression.cacheaware(density=args.density))
         times = run_steps(model, opt, width, args.steps, finish=opt.wait_updates)
         opt.drain()
         # means, not medians: with staleness 1 the waits fall on some steps only

@@ -1,10 +1,10 @@
 """Sparse training against dense at equal steps (issue 13's yardstick): the held-out loss of the
-byte-level LM after the same steps, 4 ranks in 2 clusters, for dense and each sparse variant
-(top-k and cache-aware at 1 %, cache-aware with single entries beside its blocks (singles=S),
-momentum correction, masking, density warm-up, dense small tensors,
-local gradient clipping (--local-clip, the global max norm), THC at 2, 4 and 8 bits, local
-steps every 8 (model averaging, DiLoCo, with top-k or THC pseudo-gradients),
-the CPU engine at staleness 0 and 1), in one run, with each loss's ratio to dense's.
+byte-level LM after the same steps, 4 ranks in 2 clusters, for dense (Horovod's numerics:
+stellarun --wan-route dense) and each variant (the sparse compressors with this release's
+defaults and without them, each option alone: momentum correction, masking, density warm-up,
+singles beside cache-aware blocks, dense small tensors, local gradient clipping; THC at 2, 4
+and 8 bits; local steps every 8; the CPU engine with its defaults and without; the automatic
+route of the untouched script), in one run, with each loss's ratio to dense's.
 
     .venv/bin/python bench/bench_parity.py                                 # the convergence test's setting
     .venv/bin/python bench/bench_parity.py --hidden 1024 --lr 0.1 --steps 300   # issue 13's setting
@@ -20,29 +20,42 @@ import subprocess
 import sys
 import tempfile
 
+from provenance import provenance
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-VARIANTS = {   # name: train_horovod.py options
+PLAIN = ["--momentum-correction", "off", "--density-warmup", "0"]   # the sparse route without this release's defaults
+VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --wan-route dense: Horovod's numerics)
     "dense": ["--compression", "none"],
+    "auto": ["--compression", "none"],    # the untouched script: the automatic route (it depends on the link)
+    # the sparse compressors with their defaults: momentum correction (SGD), warm-up 50, cache-aware singles 0.7
     "topk": ["--compression", "topk"],
-    "topk+mc": ["--compression", "topk", "--momentum-correction", "on"],
-    "topk+mc+warmup50": ["--compression", "topk", "--momentum-correction", "on", "--density-warmup", "50"],
     "cacheaware": ["--compression", "cacheaware"],
-    "cacheaware+mc": ["--compression", "cacheaware", "--momentum-correction", "on"],
-    "cacheaware+mc+masking": ["--compression", "cacheaware", "--momentum-correction", "masking"],
-    "cacheaware+warmup50": ["--compression", "cacheaware", "--density-warmup", "50"],
-    "cacheaware+mc+warmup50": ["--compression", "cacheaware", "--momentum-correction", "on", "--density-warmup", "50"],
-    "cacheaware+mc+dense_below1600": ["--compression", "cacheaware", "--momentum-correction", "on",
-                                      "--dense-below", "1600"],
-    "cacheaware+mc+singles50": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.5"],
-    "cacheaware+mc+singles70": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.7"],
-    "cacheaware+mc+singles85": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.85"],
-    "cacheaware+mc+warmup50+singles70": ["--compression", "cacheaware", "--momentum-correction", "on",
-                                         "--density-warmup", "50", "--singles", "0.7"],
-    "topk+clip": ["--compression", "topk", "--local-clip", "CLIP"],
-    "topk+mc+clip": ["--compression", "topk", "--momentum-correction", "on", "--local-clip", "CLIP"],
-    "cacheaware+mc+clip": ["--compression", "cacheaware", "--momentum-correction", "on", "--local-clip", "CLIP"],
+    # the previous release's defaults, and each option alone
+    "topk:plain": ["--compression", "topk"] + PLAIN,
+    "cacheaware:blocks": ["--compression", "cacheaware", "--singles", "0"] + PLAIN,
+    "topk+mc": ["--compression", "topk", "--momentum-correction", "on", "--density-warmup", "0"],
+    "topk+mc+warmup50": ["--compression", "topk", "--momentum-correction", "on", "--density-warmup", "50"],
+    "cacheaware+mc": ["--compression", "cacheaware", "--singles", "0", "--momentum-correction", "on",
+                      "--density-warmup", "0"],
+    "cacheaware+mc+masking": ["--compression", "cacheaware", "--singles", "0", "--momentum-correction", "masking",
+                              "--density-warmup", "0"],
+    "cacheaware+warmup50": ["--compression", "cacheaware", "--singles", "0", "--momentum-correction", "off",
+                            "--density-warmup", "50"],
+    "cacheaware+mc+warmup50": ["--compression", "cacheaware", "--singles", "0", "--momentum-correction", "on",
+                               "--density-warmup", "50"],
+    "cacheaware+mc+dense_below1600": ["--compression", "cacheaware", "--singles", "0", "--momentum-correction", "on",
+                                      "--density-warmup", "0", "--dense-below", "1600"],
+    "cacheaware+mc+singles50": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.5",
+                                "--density-warmup", "0"],
+    "cacheaware+mc+singles70": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.7",
+                                "--density-warmup", "0"],
+    "cacheaware+mc+singles85": ["--compression", "cacheaware", "--momentum-correction", "on", "--singles", "0.85",
+                                "--density-warmup", "0"],
+    "topk+clip": ["--compression", "topk", "--local-clip", "CLIP"] + PLAIN,
+    "topk+mc+clip": ["--compression", "topk", "--momentum-correction", "on", "--density-warmup", "0",
+                     "--local-clip", "CLIP"],
     "thc2": ["--compression", "thc", "--bits", "2"],
     "thc4": ["--compression", "thc", "--bits", "4"],
     "thc8": ["--compression", "thc", "--bits", "8"],
@@ -53,22 +66,25 @@ VARIANTS = {   # name: train_horovod.py options
     "local8+thc2": ["--compression", "thc", "--bits", "2", "--local-steps", "8"],
     "local8+thc8": ["--compression", "thc", "--bits", "8", "--local-steps", "8"],
     "local16+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "16"],
-    "cpu0:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"],
+    # the CPU engine: its defaults (staleness 1, 150 synchronous steps first, stale prediction) with
+    # each compressor's defaults; then the previous release's settings
+    "cpu1": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
-    "cpu0:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "0", "--momentum-correction", "on"],
-    "cpu1:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on"],
-    "cpu1:topk+mc+sw150": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
-                           "--staleness-warmup", "150"],
-    "cpu1:cacheaware": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
-    "cpu1:cacheaware+mc+singles70": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1",
-                                     "--momentum-correction", "on", "--singles", "0.7"],
+    "cpu0:topk:plain": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"] + PLAIN,
+    "cpu1:topk:plain": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--staleness-warmup", "0"]
+    + PLAIN,
+    "cpu1:topk+mc": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--momentum-correction", "on",
+                     "--staleness-warmup", "0"],
+    "cpu1:cacheaware:nowarmup": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1",
+                                 "--staleness-warmup", "0"],
 }
 
 
 def run(name, args, tmp):
     out = os.path.join(tmp, name.replace(":", "_").replace("+", "_") + ".json")
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
-    cmd = [stellarun, "-np", "4", "--clusters", "2", "--timeout", "300", sys.executable,
+    route = ["--wan-route", "dense"] if name == "dense" else []
+    cmd = [stellarun, "-np", "4", "--clusters", "2", "--timeout", "300"] + route + [sys.executable,
            os.path.join(ROOT, "examples", "train_horovod.py"), "--steps", str(args.steps), "--log-every",
            str(args.steps), "--hidden", str(args.hidden), "--optimizer", "sgd", "--lr", str(args.lr), "--density",
            str(args.density), "--seed", str(args.seed), "--json-out", out] + [
@@ -105,7 +121,8 @@ def main():
                 flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "settings": vars(args), "results": rows}, f, indent=1)
+        json.dump({"command": " ".join(sys.argv), "settings": vars(args), "provenance": provenance(), "results": rows},
+                  f, indent=1)
     print("wrote", args.out)
 
 

@@ -11,8 +11,8 @@ every phase alike, it measures per step:
 * comm: the CPU engine's whole update alone -- reduce-scatter, sparse selection, WAN exchange,
   merge, C optimizer, all-gather, copy into the model -- on fixed gradients, with no compute
   (``step()`` of a staleness-0 engine without a backward pass);
-* s0: training steps with ``engine="cpu", staleness=0``;
-* s1: training steps with ``engine="cpu", staleness=1``.
+* s0: training steps with ``engine=hvd.CpuEngine(staleness=0)``;
+* s1: training steps with ``engine=hvd.CpuEngine(staleness=1, warmup=0)``.
 
 It prints s1 against max(compute, comm) and s0 against compute + comm, the ratio s0/s1, and
 where the CPU engine's time went (collective thread: exchange, optimizer, all-gather; training
@@ -71,8 +71,8 @@ def main():
         model = make_model(args.width, args.depth)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression(),
-                                       engine="cpu", staleness=staleness, model=model,
-                                       stale_prediction=False if args.no_prediction else None)
+                                       engine=hvd.CpuEngine(staleness=staleness, warmup=0, model=model,
+                                                            prediction=False if args.no_prediction else None))
         return model, opt
 
     plain = make_model(args.width, args.depth)

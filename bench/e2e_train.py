@@ -126,7 +126,8 @@ def postlocal_averaged(opt):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, help="compute, ddp, powersgd, postlocal:H, dense, sparse:<compressor>, "
+    p.add_argument("--mode", required=True, help="compute, ddp, powersgd, postlocal:H, auto (the untouched Horovod "
+                                                 "script: the automatic route), dense, sparse:<compressor>, "
                                                  "cpu:<compressor>, adapt:<compressor>, cpuadapt:<compressor>, "
                                                  "local:H[:<compressor>], diloco:H[:<compressor>], "
                                                  "switch:<compressor> (sparse route or local steps with THC "
@@ -136,8 +137,9 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--overlap", action="store_true", help="local:H / diloco:H / localadapt: LocalSteps(overlap=True)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
-    p.add_argument("--singles", type=float, default=0.0,
-                   help="the cacheaware compressor's share of bytes for single entries beside its blocks")
+    p.add_argument("--singles", type=float, default=None,
+                   help="the cacheaware compressor's share of bytes for single entries beside its blocks (default: "
+                        "the compressor's)")
     p.add_argument("--thc-bits", type=int, nargs="*", default=[],
                    help="adapt modes: THC rungs the adjuster may choose besides the densities (hvd.Adjuster(thc_bits=))")
     p.add_argument("--lr", type=float, default=0.05)
@@ -156,7 +158,8 @@ def main():
                         "at most --steps steps")
     p.add_argument("--eval-seconds", type=float, default=0.0,
                    help="training seconds between held-out evaluations recorded in 'curve' (0: at the end only)")
-    p.add_argument("--momentum-correction", action="store_true", help="stella sparse modes: DGC's momentum correction")
+    p.add_argument("--plain-sparse", action="store_true",
+                   help="stella sparse modes without momentum correction and warm-up (the previous release's defaults)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -175,6 +178,8 @@ def main():
     elif args.mode == "powersgd" or args.mode.startswith("postlocal:"):
         net, opt = torch_peer_setup(model, opt, args.mode)
     else:
+        if args.mode == "dense":   # Horovod's exact dense numerics across clusters (not the automatic route)
+            os.environ["STELLA_WAN_ROUTE"] = "dense"
         import stella_mpi as hvd
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -194,8 +199,10 @@ def main():
                                     max_density=args.max_density, target=args.target)
         if comp_name == "thc":
             comp = hvd.Compression.thc(bits=args.bits)
-        else:
-            extra = {"singles": args.singles} if args.singles else {}
+        else:   # the sparse compressors with their defaults (momentum correction, warm-up, singles), or as told
+            extra = {"singles": args.singles} if args.singles is not None and comp_name == "cacheaware" else {}
+            if args.plain_sparse:
+                extra.update(momentum_correction=False, warmup=0)
             comp = getattr(hvd.Compression, comp_name)(density=args.density, **extra) if comp_name \
                 else hvd.Compression.none
         if kind in ("adapt", "cpuadapt"):
@@ -203,14 +210,13 @@ def main():
                                     thc_bits=tuple(args.thc_bits), objective=args.objective)
         if kind in ("cpu", "cpuadapt"):
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                           engine="cpu", staleness=1, model=model, adjuster=adjuster)
+                                           engine=hvd.CpuEngine(staleness=1, model=model), adjuster=adjuster)
         elif local_steps is not None:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                            local_steps=local_steps, adjuster=adjuster)
         else:
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                           adjuster=adjuster,
-                                           momentum_correction=args.momentum_correction and bool(comp_name))
+                                           adjuster=adjuster)
         net = model
     vx, vy = task.validation()
 
@@ -283,7 +289,7 @@ def main():
                         "residual_norm_ratio": st.get("residual_norm_ratio"),
                         "wan_bandwidth_bps": st.get("wan_bandwidth_bps"),
                         "local_steps_every": getattr(opt, "local_steps_every", None),
-                        "route": getattr(opt, "mode", None)})
+                        "route": getattr(opt, "mode", None), "route_desc": getattr(opt, "route", None)})
         if args.target_loss is not None and step >= args.window and reached is None:
             if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
                 reached = {"step": step, "elapsed_s": elapsed}
@@ -319,6 +325,7 @@ def main():
                        "target_loss": args.target_loss, "window": args.window, "reached": reached,
                        "clusters": hvd.num_clusters() if hvd else None,
                        "mode_switches": getattr(opt, "mode_switches", None),
+                       "route_changes": getattr(opt, "route_changes", None),
                        "parameters": sum(q.numel() for q in model.parameters()),
                        "wan_rate_bps": float(os.environ.get("STELLA_WAN_RATE_BPS", "0") or 0),
                        "wan_mode": os.environ.get("STELLA_WAN_MODE", "none"), "t0_unix": t0_unix}, f)

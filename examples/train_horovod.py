@@ -30,8 +30,9 @@ def main():
     parser.add_argument("--density", type=float, default=0.01, help="fraction sent across clusters (sparse)")
     parser.add_argument("--bits", type=int, default=4, help="thc: bits per entry across clusters (2 to 8)")
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
-    parser.add_argument("--singles", type=float, default=0.0,
-                        help="cacheaware: share of the bytes spent on single entries beside the blocks")
+    parser.add_argument("--singles", type=float, default=None,
+                        help="cacheaware: share of the bytes spent on single entries beside the blocks (default: the "
+                             "compressor's, 0.7)")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
@@ -39,25 +40,27 @@ def main():
     parser.add_argument("--engine", choices=["torch", "cpu"], default="torch",
                         help="cpu: stella_mpi's C optimizer on pinned cores with a CPU master copy")
     parser.add_argument("--staleness", type=int, default=1, help="CPU engine: 0 synchronous, 1 overlapped")
-    parser.add_argument("--staleness-warmup", type=int, default=0,
-                        help="CPU engine: run the first N steps synchronously before staleness 1")
+    parser.add_argument("--staleness-warmup", type=int, default=None,
+                        help="CPU engine: run the first N steps synchronously before staleness 1 (default: the "
+                             "engine's)")
     parser.add_argument("--no-stale-prediction", action="store_true",
                         help="CPU engine, staleness 1: give the forward the master weights, not the prediction")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
-    parser.add_argument("--density-warmup", type=int, default=0,
-                        help="steps over which the sparse density falls from 25 %% to --density")
+    parser.add_argument("--density-warmup", type=int, default=None,
+                        help="steps over which the sparse density falls from 25 %% to --density (default: the "
+                             "compressor's, 50)")
     parser.add_argument("--dense-below", type=int, default=0,
-                        help="tensors of fewer elements go dense; the others' density keeps the bytes")
-    parser.add_argument("--momentum-correction", choices=["off", "on", "masking"], default="off",
-                        help="DGC's momentum correction on the sparse route (SGD with momentum)")
+                        help="(deprecated, no gain measured) tensors of fewer elements go dense")
+    parser.add_argument("--momentum-correction", choices=["auto", "off", "on", "masking"], default="auto",
+                        help="DGC's momentum correction on the sparse route (auto: on for SGD with momentum; "
+                             "masking is deprecated)")
     parser.add_argument("--local-steps", type=int, default=0,
                         help="H > 0: hvd.LocalSteps(every=H): clusters exchange the pseudo-gradient every H steps "
                              "(through --compression)")
     parser.add_argument("--outer", choices=["average", "nesterov"], default="average",
                         help="--local-steps: model averaging or DiLoCo's outer Nesterov")
     parser.add_argument("--local-clip", type=float, default=None,
-                        help="DGC's local gradient clipping: each rank's gradient to norm C / sqrt(size) before the "
-                             "reduction")
+                        help="(deprecated, no gain measured) DGC's local gradient clipping to norm C / sqrt(size)")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="train for this many seconds of wall-clock instead of --steps (evaluations not counted)")
     parser.add_argument("--eval-every", type=int, default=0,
@@ -92,30 +95,32 @@ def main():
         compression = getattr(hvd.Compression, args.compression)
     elif args.compression == "thc":
         compression = hvd.Compression.thc(bits=args.bits, error_feedback=not args.no_error_feedback)
-    else:
-        extra = {"singles": args.singles} if args.singles else {}
+    else:   # the sparse route's options are the compressor's
+        extra = {"singles": args.singles} if args.singles is not None else {}
+        if args.density_warmup is not None:
+            extra["warmup"] = args.density_warmup
+        if args.momentum_correction in ("on", "off"):
+            extra["momentum_correction"] = args.momentum_correction == "on"
         compression = getattr(hvd.Compression, args.compression)(
             density=args.density, error_feedback=not args.no_error_feedback, **extra)
+    deprecated = {k: v for k, v in (("dense_below", args.dense_below), ("local_clip", args.local_clip),
+                                    ("momentum_correction", "masking" if args.momentum_correction == "masking"
+                                     else None)) if v}
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     if args.engine == "cpu":
+        engine = hvd.CpuEngine(staleness=args.staleness, warmup=args.staleness_warmup, model=model,
+                               prediction=False if args.no_stale_prediction else None)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression, engine="cpu", staleness=args.staleness,
-                                             staleness_warmup=args.staleness_warmup,
-                                             stale_prediction=False if args.no_stale_prediction else None,
-                                             model=model, momentum_correction={"off": False, "on": True}.get(
-                                                 args.momentum_correction, args.momentum_correction))
+                                             compression=compression, engine=engine, **deprecated)
     elif args.local_steps:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression,
                                              local_steps=hvd.LocalSteps(every=args.local_steps, outer=args.outer))
     else:
-        mc = {"off": False, "on": True, "masking": "masking"}[args.momentum_correction]
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression, momentum_correction=mc,
-                                             density_warmup=args.density_warmup, dense_below=args.dense_below,
-                                             local_clip=args.local_clip)
+                                             compression=compression, **deprecated)
 
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())
@@ -161,9 +166,9 @@ def main():
         if log_now and hvd.rank() == 0:
             last = hvd.stats()["last_step"]
             density = last["density"]
-            print("step %4d  t %6.1f s  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s"
+            print("step %4d  t %6.1f s  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s  route %s"
                   % (step, elapsed, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
-                     "%.4f" % density if density is not None else "-"), flush=True)
+                     "%.4f" % density if density is not None else "-", optimizer.route), flush=True)
         if log_now:
             t_last = now
         train_s = elapsed
@@ -172,8 +177,8 @@ def main():
                 next_eval += args.eval_seconds
             if args.engine == "cpu":
                 optimizer.drain()   # the updates in flight into the model before evaluating
-            if last_step and args.local_steps:
-                optimizer.sync_clusters()   # one model on every rank before the final evaluation
+            if last_step:   # one model on every rank before the final evaluation (local steps; otherwise a no-op)
+                optimizer.sync_clusters()
             curve.append((elapsed, step, avg, held_out_loss()))
             t_mark, s_mark = time.perf_counter(), elapsed   # evaluation time does not count
             t_last += t_mark - now
@@ -198,6 +203,7 @@ def main():
                        "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps, "compression": args.compression,
                        "density": args.density, "error_feedback": not args.no_error_feedback,
                        "seconds": train_s, "identical": identical,
+                       "route_changes": [list(c) for c in optimizer.route_changes],
                        "wan_bytes_sent_per_step": total["wan_bytes_sent"] / max(1, hvd.stats()["steps"])}, f)
     if not identical:
         raise SystemExit("parameters differ between ranks")

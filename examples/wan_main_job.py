@@ -1,9 +1,11 @@
 """The main job: two clusters of two ranks on this machine, joined by an emulated WAN link,
-training the byte-level language model twice for the same wall-clock time and from the same
-seed -- first with stella_mpi's sparse cross-cluster exchange (1 % density, cache-aware
-selection, error feedback), then with dense gradients over the same link (what Horovod sends)
--- and the comparison a user cares about: the held-out loss each reaches in the same time, the
-time each needs to reach a target loss, and a plot of loss against wall-clock.
+running the same Horovod training script (examples/train_horovod.py, only its import changed)
+twice for the same wall-clock time and from the same seed -- first as it is, on stella_mpi's
+automatic cross-cluster route (the adjuster chooses dense, a sparse density, THC bits or local
+steps, and says so), then with ``stellarun --wan-route dense``: the dense gradients Horovod sends
+-- and the comparison a user cares about: the route the automatic run took, the held-out loss
+each reaches in the same time, the time each needs to reach a target loss, and a plot of loss
+against wall-clock.
 
     python examples/wan_main_job.py [--wan 100mbit] [--seconds 60] [--plot PATH]
 
@@ -23,9 +25,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def run(label, extra, args, out):
+def run(label, extra, args, out, route="auto"):
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
-    cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", args.wan, "--timeout", "300", sys.executable,
+    cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", args.wan, "--wan-route", route, "--timeout", "300",
+           sys.executable,
            os.path.join(HERE, "train_horovod.py"), "--time-budget", str(args.seconds), "--log-every",
            str(args.log_every), "--eval-seconds", str(args.eval_seconds), "--hidden", str(args.hidden), "--optimizer",
            "sgd", "--lr", "0.05", "--json-out", out] + extra
@@ -83,38 +86,39 @@ def main():
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-seconds", type=float, default=3.0, help="training seconds between held-out evaluations")
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--target", type=float, default=None, help="target held-out loss (default: dense's final)")
     p.add_argument("--plot", default=os.path.join(ROOT, "bench", "results", "main_job.png"))
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sparse = run("stella_mpi sparse: cacheaware, %g %% density, error feedback" % (100 * args.density),
-                     ["--compression", "cacheaware", "--density", str(args.density)], args,
-                     os.path.join(tmp, "sparse.json"))
-        dense = run("dense hierarchical allreduce (what Horovod sends)", ["--compression", "none"], args,
-                    os.path.join(tmp, "dense.json"))
+        auto = run("the Horovod script as it is: stella_mpi's automatic route", ["--compression", "none"], args,
+                   os.path.join(tmp, "auto.json"))
+        dense = run("the same script with --wan-route dense (what Horovod sends)", ["--compression", "none"], args,
+                    os.path.join(tmp, "dense.json"), route="dense")
     target = args.target if args.target is not None else dense["validation_loss"]
     seconds = args.seconds
-    labels = ("sparse (stella_mpi, %g %%)" % (100 * args.density), "dense")
+    labels = ("automatic route", "dense")
     print("\n=== %.0f s of training each, 4 ranks in 2 clusters, %.1fM parameters, WAN %s ===" % (
-        args.seconds, sparse["parameters"] / 1e6, args.wan))
+        args.seconds, auto["parameters"] / 1e6, args.wan))
+    print("the automatic route took:")
+    for step, route, why in auto.get("route_changes") or []:
+        print("  from step %d: %s (%s)" % (step, route, why))
     # each run stops at the first agreed clock reading past the budget (within about a step)
     print("%-28s %7s %9s %12s %16s %22s" % ("", "steps", "ms/step", "WAN MB/step", "held-out loss",
                                              "time to loss %.4f" % target))
     reached = {}
-    for label, r in zip(labels, (sparse, dense)):
+    for label, r in zip(labels, (auto, dense)):
         reached[label] = time_to(r["curve"], target)
         print("%-28s %7d %9.1f %12.3f %16.4f %22s" % (
             label, r["steps"], r["ms_per_step"], r["wan_bytes_sent_per_step"] / 1e6, r["validation_loss"],
             "%.1f s" % reached[label] if reached[label] is not None else "not reached"))
-    at_s, at_d = sparse["validation_loss"], dense["validation_loss"]
-    print("after %.0f s of training: held-out loss %.4f sparse vs %.4f dense (%+.1f %%); sparse sends %.0fx fewer "
-          "bytes per step" % (seconds, at_s, at_d, 100 * (at_s / at_d - 1),
-             dense["wan_bytes_sent_per_step"] / max(sparse["wan_bytes_sent_per_step"], 1)))
-    ts, td = reached[labels[0]], reached[labels[1]]
-    if ts is not None and td is not None:
-        print("time to held-out loss %.4f: sparse %.1f s, dense %.1f s (%.1fx sooner)" % (target, ts, td, td / ts))
-    path, note = plot(list(zip(labels, (sparse, dense))), args.plot,
+    at_a, at_d = auto["validation_loss"], dense["validation_loss"]
+    print("after %.0f s of training: held-out loss %.4f automatic vs %.4f dense (%+.1f %%); the automatic route sends "
+          "%.0fx fewer bytes per step" % (seconds, at_a, at_d, 100 * (at_a / at_d - 1),
+             dense["wan_bytes_sent_per_step"] / max(auto["wan_bytes_sent_per_step"], 1)))
+    ta, td = reached[labels[0]], reached[labels[1]]
+    if ta is not None and td is not None:
+        print("time to held-out loss %.4f: automatic %.1f s, dense %.1f s (%.1fx sooner)" % (target, ta, td, td / ta))
+    path, note = plot(list(zip(labels, (auto, dense))), args.plot,
                       "byte-level LM, 2 clusters x 2 ranks, WAN %s" % args.wan)
     if note:
         print(note)

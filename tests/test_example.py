@@ -27,9 +27,11 @@ def test_example_trains_and_parameters_agree():
 
 
 def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
-    """The README's main job, short: both runs train for the same wall-clock, the summary gives the
-    held-out loss of each and the time each takes to reach dense's final loss, the plot is
-    written, and no run prints c10d's hostname warnings."""
+    """The README's main job, short: the untouched script on the automatic route (which says so at
+    its start: the clusters, the measured link, the route, how to get dense) and with
+    --wan-route dense train for the same wall-clock; the summary gives the route the automatic run
+    took, the held-out loss of each and the time each takes to reach dense's final loss; the plot
+    is written, and no run prints c10d's hostname warnings."""
     plot = tmp_path / "main.png"
     proc = subprocess.run([sys.executable, "examples/wan_main_job.py", "--seconds", "3", "--hidden", "256",
                            "--eval-seconds", "1", "--log-every", "5", "--plot", str(plot)],
@@ -40,7 +42,11 @@ def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
     assert steps and all(" t " in ln and "ms/step" in ln and "WAN" in ln and "density" in ln for ln in steps)
     assert "3 s of training each" in out and "after 3 s of training: held-out loss" in out
     assert "time to loss" in out
-    written = out.strip().splitlines()[-1].split("loss against wall-clock: ")[-1]
+    assert "automatic route across 2 clusters (2+2 ranks); link measured at" in out
+    assert "STELLA_WAN_ROUTE=dense (stellarun --wan-route dense)" in out
+    assert "the automatic route took:\n  from step 0: " in out
+    written = [ln for ln in out.splitlines() if "loss against wall-clock: " in ln][-1].split(
+        "loss against wall-clock: ")[-1]
     try:
         import matplotlib  # noqa: F401
         assert written == str(plot) and plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"

@@ -32,7 +32,8 @@ def _check(events):
     plain = phases["plain.allreduce"]
     assert {"QUEUE", "NEGOTIATE", "ALLREDUCE"} <= set(plain)
     # a dense bucket: reduce-scatter inside the cluster, the WAN exchange with its bytes, all-gather
-    dense = [p for name, p in phases.items() if "WAN_EXCHANGE" in p and "SELECT" not in p and "cpu_engine" not in name]
+    dense = [p for name, p in phases.items() if "WAN_EXCHANGE" in p and "SELECT" not in p and "cpu_engine" not in name
+             and "link_probe" not in name]
     assert dense and all({"INTRA_REDUCE_SCATTER", "INTRA_ALLGATHER"} <= set(p) for p in dense)
     assert all(e["args"]["bytes_sent"] > 0 for p in dense for e in p["WAN_EXCHANGE"])
     sparse = [p for name, p in phases.items() if "SELECT" in p and "cpu_engine" not in name]
@@ -50,6 +51,11 @@ def _check(events):
                 assert outer["dur"] >= 0
     decisions = [e for e in events if e["ph"] == "i" and e["name"] == "ADJUSTER"]
     assert decisions and all("density" in e["args"] for e in decisions)
+    # the automatic route: the link measured before its first step, the route it starts with
+    probe = [p for name, p in phases.items() if name.startswith("link_probe")]
+    assert probe and all("WAN_EXCHANGE" in p for p in probe)
+    routes = [e for e in events if e["ph"] == "i" and e["name"] == "ROUTE"]
+    assert routes and routes[0]["args"]["step"] == 0 and "link measured at" in routes[0]["args"]["reason"]
 
 
 def test_horovod_timeline_variable(tmp_path):

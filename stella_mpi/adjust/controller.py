@@ -372,6 +372,14 @@ class Controller:
         allowed = max((self.settings.target - 1.0) * p * est.compute_s, 1e-9)
         return max(self.predict(est, p, d, b) - self.predict(est, p, 0.0), 0.0) / allowed
 
+    def budget_density(self, est):
+        """The highest sparse density whose payload fits the step-time budget (``target``) under
+        ``est``, and never below the current one: how far the density warm-up may raise the
+        density above the adjuster's choice."""
+        fitting = [d for p, d, b in (self.rungs[i] for i in range(len(self.rungs)) if self._ratio(est, i) <= 1.0)
+                   if not b and p == self.passes]
+        return max(fitting + [self.density])
+
     def score(self, est, i):
         """The time-to-loss objective of rung ``i``: predicted seconds per sample, weighted by the
         error-feedback backlog the rung's density leaves (lower is better)."""

@@ -113,8 +113,16 @@ class AdjustSession:
         self._t_end = None
         self._t_enter = None
         self._idle = self._idle_inside = self._opt = 0.0
+        self._densities = {}   # step -> density actually sent in this window (a warm-up raises it)
 
     # ---------------- timing, called by the optimizer ----------------
+
+    def note_density(self, step, density):
+        """The density the route sent at ``step`` when it was not the controller's (the density
+        warm-up's floor; noted once per bucket): the window's row carries the mean, so the
+        payload per unit density is measured right."""
+        if self._collecting:
+            self._densities[step] = float(density)
 
     def enter(self):
         self._t_enter = time.perf_counter()
@@ -130,7 +138,7 @@ class AdjustSession:
             self._t_end += seconds
 
     def resume(self):
-        """The optimizer comes back from a pause (local steps, optim/mode_switch.py): the next
+        """The optimizer comes back from a pause (local steps: optim/tuning.py's ModeSwitch): the next
         step starts a new window, untimed (its start is unknown). A gather still in flight (a
         mode taken from a checkpoint mid-window: every rank submitted it) is completed and dropped."""
         if self._pending is not None:
@@ -140,6 +148,7 @@ class AdjustSession:
         self._idle = self._idle_inside = self._opt = 0.0
         self._sums[:] = 0.0
         self._timed = 0
+        self._densities = {}
         self._collecting = True
 
     def optimizer_time(self, seconds):
@@ -184,7 +193,9 @@ class AdjustSession:
     def _submit(self, step):
         row = self._sums / self._timed
         c = self.controller
-        fixed = {"steps": self._timed, "latency_s": self._latency, "batch": self.batch or 0, "density": c.density,
+        sent = list(self._densities.values()) + [c.density] * max(0, self._timed - len(self._densities))
+        fixed = {"steps": self._timed, "latency_s": self._latency, "batch": self.batch or 0,
+                 "density": sum(sent) / len(sent) if self._densities else c.density,
                  "passes": c.passes, "cluster": self._where[0], "group": self._where[1], "bits": c.bits}
         for k, v in fixed.items():
             row[F[k]] = v
@@ -196,6 +207,7 @@ class AdjustSession:
         self._collecting = False
         self._sums[:] = 0.0
         self._timed = 0
+        self._densities = {}
 
     def _read(self, step):
         t0 = time.perf_counter()

@@ -39,9 +39,11 @@ class AdjusterSettings:
         step-time objective, or ``modes``); unused otherwise.
     modes: ("sync", "local") lets the adjuster move between the synchronous route (its
         densities and THC rungs) and local steps (its H ladder), on every rank at the same step
-        (:mod:`.mode_rule`): pass ``local_steps=hvd.LocalSteps(...)`` and a sparse ``compression``
-        with it. Empty (the default): the optimizer's one mode (local steps when ``local_steps``
-        is given). Time-to-loss objective only.
+        (:mod:`.mode_rule`), by the time-to-loss objective. The automatic route (a job across
+        clusters that names no stella compressor: optim/tuning.py) always does. Otherwise pass a
+        sparse ``compression`` (the synchronous route's) and optionally
+        ``local_steps=hvd.LocalSteps(...)`` (default: 4-bit THC pseudo-gradients). Empty (the
+        default): the optimizer's one mode.
     """
     min_density: float = 1e-3
     max_density: float = 1.0

@@ -52,8 +52,12 @@ class Runtime:
                              "'dynamic', not %r" % (process_sets,))
         self.config = Config.from_env()
         logging.basicConfig()
-        log.setLevel(self.config.log_level.upper() if self.config.log_level.upper() in
-                     ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING")
+        level = self.config.log_level.upper()
+        level = level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING"
+        log.setLevel(level)
+        # the cross-cluster route (optim/tuning.py) is told by default: one line at the start and
+        # one per change, on rank 0; STELLA_LOG_LEVEL=error silences it
+        logging.getLogger("stella_mpi.route").setLevel("INFO" if level == "WARNING" else level)
         cfg = self.config
         if comm is None:
             comm = MPI.COMM_WORLD

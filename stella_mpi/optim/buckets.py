@@ -1,5 +1,5 @@
-"""Buckets, shared by both DistributedOptimizers (synchronous and CPU engine): parameter
-names and their checks, the bucket plan, the gradient hooks and the launch order.
+"""Buckets, shared by every gradient route (synchronous and CPU engine): parameter names and
+their checks, the bucket plan, the gradient hooks and the launch order.
 
 Gradients are handed over by a post-accumulate hook on each parameter as soon as backward
 produces them. Parameters are cut into buckets in reverse registration order (roughly the
@@ -104,25 +104,33 @@ def plan_by_groups(params, groups):
 
 
 class BucketedOptimizer:
-    """Mixin of both DistributedOptimizers: hooks hand gradients over, buckets launch in order.
+    """Mixin of the DistributedOptimizer: hooks hand gradients over, buckets launch in order.
 
-    The optimizer implements ``_launch(bucket)``; it calls :meth:`_use_buckets` once,
+    The gradient route implements ``launch(bucket)`` and ``grad_ready(p)``; the optimizer calls
+    :meth:`_hook_parameters` once, :meth:`_use_buckets` whenever a route brings its own plan,
     :meth:`_launch_remaining` when the step's gradients must all go, and :meth:`_start_step`
     when a new step's gradients begin to arrive."""
+    _hooks = ()
 
-    def _use_buckets(self, buckets, hooked_params):
+    def _hook_parameters(self, params):
+        """Put the post-accumulate hook on ``params`` (once: a new route reuses them)."""
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _use_buckets(self, buckets):
         self._buckets = buckets
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._next_launch = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in hooked_params]
 
     def _on_grad_ready(self, p):
-        self._grad_final(p)
+        self._route.grad_ready(p)
 
     def _grad_final(self, p):
-        """``p``'s gradient of this step is final: launch every bucket that is now complete."""
+        """``p``'s gradient of this step is final: launch every bucket that is now complete
+        (unless the route sends its buckets at synchronize only)."""
         self._bucket_of[p].pending.discard(p)
-        self._launch_in_order()
+        if self._route.launch_in_backward():
+            self._launch_in_order()
 
     def _launch_in_order(self, force=False):
         """Launch the buckets strictly in bucket order, each once all its gradients are ready
@@ -131,7 +139,7 @@ class BucketedOptimizer:
             bucket = self._buckets[self._next_launch]
             if bucket.pending and not force:
                 return
-            self._launch(bucket)
+            self._route.launch(bucket)
             self._next_launch += 1
 
     def _launch_remaining(self):

@@ -97,6 +97,21 @@ class MomentumCorrectionState:
     def state_dict(self):
         return {"masking": self.masking, "velocity": {k: v.detach().clone() for k, v in self.velocity.items()}}
 
+    def check(self, state, params):
+        """Raise ValueError, naming the parameter, unless ``state`` (a ``state_dict()``) holds
+        velocities of the parameters ``params`` ({name: parameter}) with their shapes."""
+        velocity = state.get("velocity", {}) if isinstance(state, dict) else None
+        if not isinstance(velocity, dict):
+            raise ValueError("momentum correction state: expected {'masking': ..., 'velocity': {name: tensor}}, got %r"
+                             % (state,))
+        for name, v in velocity.items():
+            if name not in params:
+                raise ValueError("momentum correction state: a velocity of parameter %r, which this optimizer does "
+                                 "not hold (its parameters: %s)" % (name, ", ".join(sorted(params))))
+            if not hasattr(v, "shape") or tuple(v.shape) != tuple(params[name].shape):
+                raise ValueError("momentum correction state: the velocity of parameter %r has shape %s, the "
+                                 "parameter %s" % (name, list(getattr(v, "shape", [])), list(params[name].shape)))
+
     def load_state_dict(self, state):
         self.masking = bool(state.get("masking", self.masking))
         self.velocity = {k: v.detach().clone() for k, v in state.get("velocity", {}).items()}

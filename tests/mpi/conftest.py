@@ -13,6 +13,21 @@ def hvd_session():
     hvd.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def dense_wan_route(request, monkeypatch):
+    """These suites compare against single-process references of Horovod's dense numerics, in
+    one- and two-cluster layouts alike: STELLA_WAN_ROUTE=dense, unless a test is marked
+    ``auto_route`` (it tests the automatic route itself)."""
+    if request.node.get_closest_marker("auto_route") is None:
+        monkeypatch.setenv("STELLA_WAN_ROUTE", "dense")
+    else:
+        monkeypatch.delenv("STELLA_WAN_ROUTE", raising=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "auto_route: runs with STELLA_WAN_ROUTE unset (the automatic route)")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

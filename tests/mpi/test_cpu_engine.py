@@ -1,5 +1,7 @@
-"""engine="cpu": the C optimizer on the pinned pool against torch.optim, the staleness
-invariants (with an injected delay), checkpoints, and refusals."""
+"""engine=hvd.CpuEngine(...): the C optimizer on the pinned pool against torch.optim, the
+staleness invariants (with an injected delay), checkpoints, refusals, and the previous release's
+keyword arguments (engine="cpu", staleness=...) still working with a DeprecationWarning."""
+import warnings
 import copy
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 
 import stella_mpi as hvd
 from reference import rank_batch, small_model
-from stella_mpi.optim import cpu_engine
+from stella_mpi.optim.routes import cpu_engine
 
 
 _model = small_model
@@ -38,13 +40,13 @@ def test_staleness0_matches_torch_optimizer(make):
     _against_torch(make)
 
 
-def _against_torch(make, steps=6, schedule=None, **engine):
+def _against_torch(make, steps=6, schedule=None, compression=hvd.Compression.none, **engine):
     """Train with engine='cpu' (staleness 0) and with ``make``'s torch optimizer on the mean
     gradient of every rank's batch; the parameters must agree. ``schedule(step, optimizer)``
     changes both optimizers' groups before a step (a scheduler)."""
     model = _model()
     opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
-                                   engine="cpu", staleness=0, model=model, **engine)
+                                   compression=compression, engine=hvd.CpuEngine(staleness=0, model=model, **engine))
     ref = _model()
     ref_opt = make(ref.parameters())
     for step in range(steps):
@@ -75,8 +77,8 @@ def test_staleness1_uses_updates_up_to_t_minus_2_and_never_half_applied(monkeypa
     lr = 0.1
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
-                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
-                                   model=model)
+                                   named_parameters=model.named_parameters(),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=model))
     seen = []
     model[0].register_forward_pre_hook(lambda m, a: seen.append(min(b.applied for b in opt._buckets)), prepend=False)
     # reference: w_{t+1} = w_t - lr * grad(w_{t-1}) (the forward of step t sees w after t-1 updates)
@@ -105,8 +107,8 @@ def test_sparse_compression_and_identical_ranks():
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.topk(density=0.1), engine="cpu", staleness=1,
-                                   model=model)
+                                   compression=hvd.Compression.topk(density=0.1),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=model))
     for step in range(4):
         opt.zero_grad()
         x, y = _batch(hvd.rank(), step)
@@ -158,7 +160,7 @@ def test_refused_patterns_say_why():
     _skip_uneven()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                   engine="cpu", staleness=0, model=model)
+                                   engine=hvd.CpuEngine(staleness=0, model=model))
     x, y = _batch(hvd.rank(), 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(AssertionError, match="computed twice before step"):
@@ -170,7 +172,7 @@ def test_refused_patterns_say_why():
     with pytest.raises(ValueError, match=r"the checkpoint has %d buckets, this optimizer %d" % (
             len(sd["buckets"]) + 1, len(sd["buckets"]))):
         opt.load_state_dict(dict(sd, buckets=sd["buckets"] + [None]))
-    with pytest.raises(ValueError, match="bucket 0 of the checkpoint holds"):
+    with pytest.raises(ValueError, match=r"bucket 0 of the checkpoint \(parameters .2.bias., .2.weight.*\) holds"):
         bad = copy.deepcopy(sd)
         bad["buckets"][0]["full"]["master"] = torch.zeros(3)
         opt.load_state_dict(bad)
@@ -178,11 +180,11 @@ def test_refused_patterns_say_why():
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="'weight' is not contiguous"):
         hvd.DistributedOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), named_parameters=conv.named_parameters(),
-                                 engine="cpu")
+                                 engine=hvd.CpuEngine())
     with pytest.raises(ValueError, match="maximize=True is not supported"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, maximize=True),
-                                 named_parameters=model.named_parameters(), engine="cpu", momentum_correction=True,
-                                 compression=hvd.Compression.topk(0.5))
+                                 named_parameters=model.named_parameters(), engine=hvd.CpuEngine(),
+                                 compression=hvd.Compression.topk(0.5, momentum_correction=True))
 
 
 def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
@@ -193,7 +195,8 @@ def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
     _skip_uneven()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), engine="cpu", staleness=0, model=model)
+                                   named_parameters=model.named_parameters(),
+                                   engine=hvd.CpuEngine(staleness=0, model=model))
     fresh = opt.state_dict()
     hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: nothing to spread, no error
 
@@ -206,7 +209,7 @@ def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
         opt.load_state_dict(saved)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert opt._steps == 2
+    assert opt._route._steps == 2
     _run(model, opt, 2, 2)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.unsqueeze(0))
@@ -221,7 +224,7 @@ def test_broadcast_optimizer_state_spreads_rank_0s_engine_state():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     # back to the checkpoint of step 0: every bucket starts afresh from the model's parameters
     opt.load_state_dict(fresh)
-    assert opt._steps == 0 and all(b.master is None and b.applied == -1 for b in opt._buckets)
+    assert opt._route._steps == 0 and all(b.master is None and b.applied == -1 for b in opt._buckets)
 
 
 def _run(model, opt, steps, start):
@@ -238,14 +241,14 @@ def test_state_dict_round_trip():
     _skip_uneven()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                   named_parameters=model.named_parameters(), engine="cpu", staleness=0)
+                                   named_parameters=model.named_parameters(), engine=hvd.CpuEngine(staleness=0))
     _run(model, opt, 3, 0)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
     _run(model, opt, 2, 3)
     model2 = _model(seed=5)
     model2.load_state_dict(saved_model)
     opt2 = hvd.DistributedOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2),
-                                    named_parameters=model2.named_parameters(), engine="cpu", staleness=0)
+                                    named_parameters=model2.named_parameters(), engine=hvd.CpuEngine(staleness=0))
     opt2.load_state_dict(saved_opt)
     _run(model2, opt2, 2, 3)
     for p, q in zip(model.parameters(), model2.parameters()):
@@ -255,15 +258,17 @@ def test_state_dict_round_trip():
 def test_refusals():
     model = _model()
     with pytest.raises(ValueError, match="SGD, torch.optim.Adam and torch.optim.AdamW"):
-        hvd.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), engine="cpu")
+        hvd.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), engine=hvd.CpuEngine())
     with pytest.raises(ValueError, match="staleness"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu", staleness=2)
+        hvd.CpuEngine(staleness=2)
+    with pytest.raises(ValueError, match="engine must be None or hvd.CpuEngine"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="gpu")
     if not hvd.global_process_set.topology.uniform_clusters:
         with pytest.raises(ValueError, match="clusters of equal size"):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine="cpu")
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine=hvd.CpuEngine())
         return
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), engine="cpu")
+                                   named_parameters=model.named_parameters(), engine=hvd.CpuEngine())
     x, y = _batch(hvd.rank(), 0)
     with torch.no_grad():
         model[0].weight.data = torch.zeros(16, 7)   # a parameter that changed shape after wrapping
@@ -280,8 +285,8 @@ def test_stale_prediction_and_warmup_follow_the_reference(warmup):
     lr, mu = 0.1, 0.9
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=mu),
-                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
-                                   staleness_warmup=warmup, model=model)
+                                   named_parameters=model.named_parameters(),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=warmup, model=model))
     seen = []
     model.register_forward_hook(lambda m, a, out: seen.append([p.detach().clone() for p in m.parameters()]))
     ref = _model()
@@ -319,13 +324,12 @@ def test_stale_prediction_and_warmup_follow_the_reference(warmup):
     assert not any(b.predicted_in_model for b in opt._buckets)
     assert all(b.predicts for b in opt._buckets)
     for bad in (-1, True):
-        with pytest.raises(ValueError, match="staleness_warmup"):
-            hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu",
-                                     staleness_warmup=bad)
+        with pytest.raises(ValueError, match="CpuEngine: warmup must be a number of steps"):
+            hvd.CpuEngine(warmup=bad)
     # plain SGD: a zero-gradient step moves nothing, so nothing is predicted (no copies, drain is local)
     plain = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=lr), named_parameters=plain.named_parameters(),
-                                   engine="cpu", staleness=1, model=plain)
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=plain))
     for step in range(3):
         opt.zero_grad()
         x, y = _batch(hvd.rank(), step)
@@ -333,9 +337,8 @@ def test_stale_prediction_and_warmup_follow_the_reference(warmup):
         opt.step()
     assert not any(b.predicts or b.predicted_in_model for b in opt._buckets)
     opt.drain()
-    with pytest.raises(ValueError, match="stale_prediction needs"):
-        hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=lr), engine="cpu", staleness=1,
-                                 cpu_semantics="lazy", stale_prediction=True)
+    with pytest.raises(ValueError, match="prediction needs semantics=.exact."):
+        hvd.CpuEngine(staleness=1, semantics="lazy", prediction=True)
 
 
 def test_refused_worker_cores_leave_no_hook_behind(monkeypatch):
@@ -345,7 +348,7 @@ def test_refused_worker_cores_leave_no_hook_behind(monkeypatch):
     model = _model()
     with pytest.raises(ValueError, match="STELLA_CPU_CORES"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(), engine="cpu")
+                                 named_parameters=model.named_parameters(), engine=hvd.CpuEngine())
     x, y = _batch(hvd.rank(), 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()   # no hook of the refused optimizer runs
     assert all(p.grad is not None for p in model.parameters())
@@ -358,10 +361,11 @@ def test_momentum_correction_at_density_one_matches_torch_sgd():
 
     def make(ps):
         return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3)
-    model = _against_torch(make, momentum_correction=True, compression=hvd.Compression.topk(density=1.0))
-    with pytest.raises(ValueError, match="masking is not supported"):
-        hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(), engine="cpu",
-                                 momentum_correction="masking", compression=hvd.Compression.topk(density=0.1))
+    model = _against_torch(make, compression=hvd.Compression.topk(density=1.0, momentum_correction=True))
+    with pytest.raises(ValueError, match="masking is not supported"), pytest.warns(DeprecationWarning):
+        hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                 engine=hvd.CpuEngine(), compression=hvd.Compression.topk(density=0.1),
+                                 momentum_correction="masking")
 
 
 def test_momentum_correction_state_survives_a_checkpoint():
@@ -369,8 +373,9 @@ def test_momentum_correction_state_survives_a_checkpoint():
     _skip_uneven()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), engine="cpu", staleness=1,
-                                   model=model, momentum_correction=True, compression=hvd.Compression.topk(0.5))
+                                   named_parameters=model.named_parameters(),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=model),
+                                   compression=hvd.Compression.topk(0.5, momentum_correction=True))
     for step in range(3):
         opt.zero_grad()
         x, y = _batch(hvd.rank(), step)
@@ -381,10 +386,37 @@ def test_momentum_correction_state_survives_a_checkpoint():
     assert velocity and all(bool(v.abs().sum() > 0) for v in velocity.values())
     other = _model()
     opt2 = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9),
-                                    named_parameters=other.named_parameters(), engine="cpu", staleness=1,
-                                    model=other, momentum_correction=True, compression=hvd.Compression.topk(0.5))
+                                    named_parameters=other.named_parameters(),
+                                    engine=hvd.CpuEngine(staleness=1, warmup=0, model=other),
+                                    compression=hvd.Compression.topk(0.5, momentum_correction=True))
     opt2.load_state_dict(saved)
     assert set(opt2._mc.velocity) == set(velocity)
     assert all(torch.equal(opt2._mc.velocity[k], v) for k, v in velocity.items())
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_previous_releases_keywords_still_work_with_a_warning():
+    """engine="cpu", staleness=1, staleness_warmup, model (the previous release) build the same
+    engine as hvd.CpuEngine(...), each with a DeprecationWarning that names the new place; the old
+    default stays synchronous (staleness 0, no warm-up)."""
+    _skip_uneven()
+    model = _model()
+    with pytest.warns(DeprecationWarning) as caught:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), engine="cpu", staleness=1,
+                                       staleness_warmup=2, model=model)
+    said = " ".join(str(w.message) for w in caught)
+    assert "engine=hvd.CpuEngine(staleness=...)" in said and "engine=hvd.CpuEngine(warmup=...)" in said, said
+    assert "engine=hvd.CpuEngine(model=...)" in said and "pass engine=hvd.CpuEngine(" in said, said
+    route = opt._route
+    assert (route.kind, route._staleness, route._warmup, route._predict) == ("cpu", 1, 2, True)
+    assert route._module_hooks   # the model's forward pre-hooks
+    _run(model, opt, 3, 0)
+    opt.drain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), engine="cpu")
+    assert (old._route._staleness, old._route._warmup) == (0, 0)
+    with pytest.raises(ValueError, match="pass them to hvd.CpuEngine only"), pytest.warns(DeprecationWarning):
+        hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), engine=hvd.CpuEngine(), staleness=0)

@@ -144,8 +144,8 @@ def test_cpu_engine_model_on_the_device(device_route, staleness):
     def train(device):
         model = _wide_model(device)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=model.named_parameters(), engine="cpu",
-                                       staleness=staleness, model=model,
+                                       named_parameters=model.named_parameters(),
+                                       engine=hvd.CpuEngine(staleness=staleness, warmup=0, model=model),
                                        compression=hvd.Compression.cacheaware(density=0.05))
         seen = []
         x = torch.ones(2, 64, device=device)
@@ -175,4 +175,4 @@ def test_cpu_engine_refuses_parameters_on_two_devices():
     model[1].to(_device())
     with pytest.raises(ValueError, match="is on"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(), engine="cpu")
+                                 named_parameters=model.named_parameters(), engine=hvd.CpuEngine())

@@ -62,7 +62,7 @@ def _train(steps, how, **kwargs):
     model = small_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(), **kwargs)
-    if kwargs.get("engine") == "cpu":
+    if kwargs.get("engine") is not None:
         opt.attach(model)
     errors = []
     for step in range(steps):
@@ -120,7 +120,7 @@ def test_cpu_engine_skips_the_update(how):
     if not hvd.global_process_set.topology.uniform_clusters:
         pytest.skip("engine='cpu' needs clusters of equal size")
     before = hvd.stats()["total"]["skipped_nonfinite"]
-    model, opt, errors = _train(5, how, engine="cpu", staleness=1)
+    model, opt, errors = _train(5, how, engine=hvd.CpuEngine(staleness=1, warmup=0))
     assert not errors
     assert hvd.stats()["total"]["skipped_nonfinite"] > before
     _finite_and_equal_everywhere(model)
@@ -131,7 +131,7 @@ def test_cpu_engine_skips_the_update(how):
 @pytest.mark.parametrize("path", ["dense", "sparse", "cpu"])
 def test_raise_policy_raises_on_every_rank_and_training_goes_on(path):
     kwargs = {"dense": {}, "sparse": {"compression": hvd.Compression.topk(density=0.3)},
-              "cpu": {"engine": "cpu", "staleness": 0}}[path]
+              "cpu": {"engine": hvd.CpuEngine(staleness=0)}}[path]
     if path == "cpu" and not hvd.global_process_set.topology.uniform_clusters:
         pytest.skip("engine='cpu' needs clusters of equal size")
     with _policy("raise"):

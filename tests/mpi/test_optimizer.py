@@ -193,6 +193,38 @@ def test_momentum_correction_at_density_one_is_dense_momentum_sgd(nesterov):
     assert set(saved["velocity"]) == {name for name, _ in model.named_parameters()}
 
 
+def test_momentum_correction_goes_on_after_a_checkpoint_is_loaded():
+    """A checkpoint loaded mid-training (torch replaces the param-group dicts): the correction
+    still finds its groups, so SGD keeps stepping without its own momentum and the run equals
+    dense momentum SGD at density 1 (the previous release stepped the loaded groups with
+    momentum on top of the carried velocities)."""
+    n = hvd.size()
+    ref = _model()
+    ref_opt = _sgd(ref)
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(density=1.0))
+    assert opt._mc is not None   # on by default: SGD with momentum on a sparse route
+    for step in range(6):
+        if step == 3:   # a new process would restore the model and the optimizer from the checkpoint
+            saved = copy.deepcopy(opt.state_dict())
+            restored = _model()
+            restored.load_state_dict(model.state_dict())
+            model = restored
+            opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                           compression=hvd.Compression.topk(density=1.0))
+            opt.load_state_dict(saved)
+        ref_opt.zero_grad()
+        for r in range(n):
+            x, y = _batch(r, step)
+            (torch.nn.functional.cross_entropy(ref(x), y) / n).backward()
+        ref_opt.step()
+        _steps(model, opt, [step])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_everywhere(model)
+
+
 def test_momentum_correction_is_refused_where_it_means_nothing():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9),
@@ -226,7 +258,7 @@ def test_dense_below_sends_small_tensors_dense_within_the_budget():
                                    compression=hvd.Compression.cacheaware(density=0.2), dense_below=20)
     # biases (16 + 3 elements) go dense; the weights (96 + 48) share what is left of the budget:
     # (0.2 * 163 * 4.25 - 19 * 4) / (144 * 4.25) bytes per entry
-    assert abs(opt._compression.density - (0.2 * 163 * 4.25 - 19 * 4) / (144 * 4.25)) < 1e-9
+    assert abs(opt._route.compression.density - (0.2 * 163 * 4.25 - 19 * 4) / (144 * 4.25)) < 1e-9
     with pytest.raises(ValueError, match="cost more than the byte budget"):
         hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                  compression=hvd.Compression.cacheaware(density=0.01), dense_below=20)
@@ -301,7 +333,7 @@ def test_local_steps_every_step_averaged_is_synchronous_training(compression):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     _assert_same_everywhere(model)
-    assert opt._ls.exchanges == 6
+    assert opt._outer.progress.exchanges == 6
 
 
 @pytest.mark.parametrize("outer", ["average", "nesterov"])
@@ -327,14 +359,14 @@ def test_local_steps_clusters_drift_apart_and_meet_every_h_steps(outer):
     saved = opt.state_dict()["stella_local_steps"]
     assert saved["exchanges"] == 2 and saved["local_steps"] == 1
     assert set(saved["anchor"]) == {n for n, _ in model.named_parameters()}
-    assert bool(saved["momentum"]) == (outer == "nesterov")
+    assert bool(saved["outer"]["state"]) == (outer == "nesterov")   # the outer SGD's momentum buffers
     # a fresh optimizer restored from the checkpoint holds the same local-steps state
     fresh = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                      local_steps=hvd.LocalSteps(every=3, outer=outer))
     fresh.load_state_dict(opt.state_dict())
-    assert fresh._ls.exchanges == 2 and fresh._ls.local_steps == 1
+    assert fresh._outer.progress.exchanges == 2 and fresh._outer.progress.local_steps == 1
     for name, t in saved["anchor"].items():
-        assert torch.equal(fresh._ls.anchor[name], t)
+        assert torch.equal(fresh._outer.anchor[name], t)
 
 
 def test_local_steps_state_follows_broadcast_optimizer_state():
@@ -345,13 +377,14 @@ def test_local_steps_state_follows_broadcast_optimizer_state():
     opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                    local_steps=hvd.LocalSteps(every=4, outer="nesterov"))
     if hvd.rank() == 0:
-        opt._ls.local_steps, opt._ls.exchanges = 2, 7
-        opt._ls.anchor = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
-        opt._ls.momentum = {n: torch.full_like(p, 0.25) for n, p in model.named_parameters()}
+        opt._outer.progress.local_steps, opt._outer.progress.exchanges = 2, 7
+        opt._outer.anchor = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+        for p in model.parameters():
+            opt.outer_optimizer.state[p]["momentum_buffer"] = torch.full_like(p, 0.25)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert (opt._ls.local_steps, opt._ls.exchanges) == (2, 7)
-    assert all(bool((t == 0.5).all()) for t in opt._ls.anchor.values())
-    assert all(bool((t == 0.25).all()) for t in opt._ls.momentum.values())
+    assert (opt._outer.progress.local_steps, opt._outer.progress.exchanges) == (2, 7)
+    assert all(bool((t == 0.5).all()) for t in opt._outer.anchor.values())
+    assert all(bool((opt.outer_optimizer.state[p]["momentum_buffer"] == 0.25).all()) for p in model.parameters())
 
 
 def test_local_steps_resume_after_sync_clusters_with_overlap():
@@ -369,8 +402,8 @@ def test_local_steps_resume_after_sync_clusters_with_overlap():
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     _steps(model, opt, range(5, 8))
     opt.sync_clusters()
-    assert all(x == (opt._ls.exchanges, opt._ls.local_steps) for x in
-               hvd.allgather_object((opt._ls.exchanges, opt._ls.local_steps)))
+    assert all(x == (opt._outer.progress.exchanges, opt._outer.progress.local_steps) for x in
+               hvd.allgather_object((opt._outer.progress.exchanges, opt._outer.progress.local_steps)))
     _assert_same_everywhere(model)
 
 
@@ -397,7 +430,7 @@ def _overlapped_reference(steps, every, outer, lr=0.7, mu=0.9):
     """LocalSteps(overlap=True) simulated in this process, one model per cluster: each steps on
     the mean gradient of its ranks' batches; at each period's end the exchange launched one
     period earlier is applied (new anchor; each cluster keeps its progress since the launch) and
-    the next one is launched (optim/local_steps.py)."""
+    the next one is launched (optim/outer_sync.py)."""
     topo = hvd.global_process_set.topology
     clusters = topo.cluster_members
     models = [_model() for _ in clusters]
@@ -444,18 +477,18 @@ def test_local_steps_overlapped_exchange_is_applied_one_period_late(outer):
     for p, q in zip(model.parameters(), models[topo.cluster_id].parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
     for (name, _), a in zip(model.named_parameters(), anchor):
-        torch.testing.assert_close(opt._ls.anchor[name], a, rtol=1e-5, atol=1e-6)
-        everyone = hvd.allgather(opt._ls.anchor[name].unsqueeze(0), name="ls.anchor." + name)
+        torch.testing.assert_close(opt._outer.anchor[name], a, rtol=1e-5, atol=1e-6)
+        everyone = hvd.allgather(opt._outer.anchor[name].unsqueeze(0), name="ls.anchor." + name)
         assert all(torch.equal(everyone[r], everyone[0]) for r in range(hvd.size()))
-    assert opt._ls.exchanges == 2 and opt._ls_channel.pending is not None   # launched at steps 2, 4, 6
+    assert opt._outer.progress.exchanges == 2 and opt._outer.channel.pending is not None   # launched at steps 2, 4, 6
     opt.sync_clusters()
-    assert opt._ls_channel.pending is None and opt._ls.exchanges == 4
+    assert opt._outer.channel.pending is None and opt._outer.progress.exchanges == 4
     _assert_same_everywhere(model)
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), opt._ls.anchor[name])
+        assert torch.equal(p.detach(), opt._outer.anchor[name])
     before = [p.detach().clone() for p in model.parameters()]
     opt.sync_clusters()   # nothing trained since: no exchange, no outer step (Nesterov's momentum untouched)
-    assert opt._ls.exchanges == 4 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt._outer.progress.exchanges == 4 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("outer", ["average", "nesterov"])
@@ -465,9 +498,9 @@ def test_local_steps_overlap_sync_at_a_period_boundary_applies_only_what_is_in_f
     model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
         _sgd(m), named_parameters=m.named_parameters(),
         local_steps=hvd.LocalSteps(every=2, outer=outer, overlap=True)), 4)
-    assert opt._ls.exchanges == 1 and opt._ls.local_steps == 0 and opt._ls_channel.pending is not None
+    assert opt._outer.progress.exchanges == 1 and opt._outer.progress.local_steps == 0 and opt._outer.channel.pending is not None
     opt.sync_clusters()
-    assert opt._ls.exchanges == 2 and opt._ls_channel.pending is None
+    assert opt._outer.progress.exchanges == 2 and opt._outer.channel.pending is None
     _assert_same_everywhere(model)
     consensus = opt.consensus_parameters()
     for name, p in model.named_parameters():
@@ -480,13 +513,13 @@ def test_local_steps_overlap_checkpoints_without_waiting_on_the_others():
     and the clusters still meet at the same steps."""
     model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
         _sgd(m), named_parameters=m.named_parameters(), local_steps=hvd.LocalSteps(every=2, overlap=True)), 4)
-    assert opt._ls_channel.pending is not None
+    assert opt._outer.channel.pending is not None
     saved = opt.state_dict() if hvd.rank() == 0 else None
     if hvd.rank() == 0:
         assert saved["stella_local_steps"]["exchanges"] == 1
     saved = hvd.broadcast_object(saved, root_rank=0, name="ls.overlap.ckpt")
     opt.load_state_dict(saved)
-    assert opt._ls_channel.pending is None
+    assert opt._outer.channel.pending is None
     _steps(model, opt, range(4, 8))
     opt.sync_clusters()
     _assert_same_everywhere(model)
@@ -516,7 +549,7 @@ def test_local_steps_adjuster_chooses_h_the_same_on_every_rank(overlap):
     finally:
         hier.pacer = old
     assert seen[:3] == [(0, 1), (1, 16), (2, 16)] and seen[-1] == (19, 16), (seen, opt.local_steps_reason)
-    assert opt._ls.exchanges == 4   # steps 0, 1 and 17, then sync_clusters
+    assert opt._outer.progress.exchanges == 4   # steps 0, 1 and 17, then sync_clusters
     assert opt.local_steps_reason.startswith(("even the longest period on the ladder cannot hide the exchange",
                                               "the exchange exceeds the budget", "steady"))
     assert all(x == seen for x in hvd.allgather_object(seen))
@@ -527,7 +560,7 @@ def test_local_steps_adjuster_chooses_h_the_same_on_every_rank(overlap):
 def test_local_steps_refusals():
     model = _model()
     ls = hvd.LocalSteps(every=2)
-    for kw, match in ((dict(engine="cpu"), "CPU engine"), (dict(op=hvd.Sum), "op must be"),
+    for kw, match in ((dict(engine=hvd.CpuEngine()), "CPU engine"), (dict(op=hvd.Sum), "op must be"),
                       (dict(compression=hvd.Compression.topk(0.1), adjuster=hvd.Adjuster()), "step-time objective only"),
                       (dict(adjuster=hvd.Adjuster(objective="step_time", allow_accumulation=True)),
                        "apply to the gradient route")):
@@ -612,15 +645,15 @@ def test_mode_switch_moves_every_rank_at_the_same_step(overlap, inner):
     log, apart = [], []
 
     def watch(step, model, opt):
-        log.append((step, opt.mode, opt._process_set.size()))
-        if opt.mode == "local" and opt._ls.local_steps:
+        log.append((step, opt.mode, opt._route.process_set.size()))
+        if opt.mode == "local" and opt._outer.progress.local_steps:
             apart.append(_clusters_apart(model))
         if step == 2:
-            opt._mode_rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+            opt._tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
         if opt.mode == "sync":
             _assert_same_everywhere(model)
         if step == 30:
-            opt._mode_rule.sync_score = lambda est: 0.0            # synchronous wins again
+            opt._tuner.rule.sync_score = lambda est: 0.0            # synchronous wins again
 
     model, opt = _train_with(lambda m: _switching(m, pseudo, overlap, inner=inner), 60, watch)
     assert apart and all(apart), apart
@@ -667,7 +700,7 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
         pytest.skip("one cluster: nothing to switch")
     model = _model()
     opt = _switching(model, hvd.Compression.fp16)
-    opt._mode_rule.sync_score = lambda est: float("inf")
+    opt._tuner.rule.sync_score = lambda est: float("inf")
     _steps(model, opt, range(8))
     assert opt.mode == "local"
     saved = opt.state_dict()
@@ -676,9 +709,9 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     other_model = _model()
     other = _switching(other_model, hvd.Compression.fp16)
     other.load_state_dict(saved)
-    assert other.mode == "local" and other._process_set.size() == hvd.global_process_set.topology.cluster_size
-    assert other._mode_rule.sync_estimate == opt._mode_rule.sync_estimate
-    other._mode_rule.sync_score = lambda est: 0.0   # it trains on after the load, and can come back
+    assert other.mode == "local" and other._route.process_set.size() == hvd.global_process_set.topology.cluster_size
+    assert other._tuner.rule.sync_estimate == opt._tuner.rule.sync_estimate
+    other._tuner.rule.sync_score = lambda est: 0.0   # it trains on after the load, and can come back
     _steps(other_model, other, range(8, 40))
     assert other.mode == "sync" and [m for _, m, _ in other.mode_switches] == ["sync"], other.mode_switches
     _assert_same_everywhere(other_model)
@@ -688,13 +721,13 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
     third_model = _model()
     third = _switching(third_model, hvd.Compression.fp16)
     _steps(third_model, third, range(2))
-    assert third.mode == "sync" and third._session._pending is not None
+    assert third.mode == "sync" and third._tuner.session._pending is not None
     if hvd.rank() == 0:
         third.load_state_dict(saved)
     hvd.broadcast_optimizer_state(third, root_rank=0)
     hvd.broadcast_parameters(third_model.state_dict(), root_rank=0)
-    assert third.mode == "local" and third._process_set.size() == hvd.global_process_set.topology.cluster_size
-    third._mode_rule.sync_score = lambda est: 0.0
+    assert third.mode == "local" and third._route.process_set.size() == hvd.global_process_set.topology.cluster_size
+    third._tuner.rule.sync_score = lambda est: 0.0
     _steps(third_model, third, range(2, 30))
     assert third.mode == "sync"
     decided = len(third.adjust_decisions)
@@ -708,10 +741,10 @@ def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():
         other.load_state_dict(dict(saved, stella_mode={"mode": "local", "sync_estimate": bad}))
     sparse = hvd.Compression.topk(0.1)
     modes = hvd.Adjuster(modes=("sync", "local"))
-    for kw, match in ((dict(compression=sparse), "pass local_steps"),
-                      (dict(compression=hvd.Compression.none, local_steps=hvd.LocalSteps(every=2)), "must be sparse"),
-                      (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), momentum_correction=True),
-                       "momentum_correction=True is not carried"),
+    for kw, match in ((dict(compression=hvd.Compression.thc(bits=4), local_steps=hvd.LocalSteps(every=2)),
+                       "must be sparse"),
+                      (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), momentum_correction="masking"),
+                       "momentum_correction='masking' is not carried"),
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2, overlap=True)),
                        r"pass LocalSteps\(compression=hvd.Compression.none, overlap=True\)"),
                       (dict(compression=sparse, local_steps=hvd.LocalSteps(every=2), op=hvd.Sum), "op must be"),

@@ -28,7 +28,7 @@ model = torch.nn.Sequential(torch.nn.Linear(64, args.width), torch.nn.ReLU(), to
 base = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9)
 opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                compression=hvd.Compression.topk(density=0.05),
-                               **(dict(engine="cpu", staleness=1, model=model) if args.engine == "cpu" else {}))
+                               engine=hvd.CpuEngine(staleness=1, warmup=0, model=model) if args.engine == "cpu" else None)
 target = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
 state = hvd.elastic.TorchState(model, opt, step=0)
 

@@ -1,5 +1,7 @@
 """A short 2-cluster job with the timeline on (tests/test_timeline_job.py): dense and sparse
-optimizer steps with the adjuster, a few plain collectives, and CPU-engine steps."""
+optimizer steps with the adjuster, a few plain collectives, CPU-engine steps, and the
+automatic route's start (its link probe and route instant)."""
+import os
 import sys
 
 import torch
@@ -28,8 +30,13 @@ if sys.argv[2:] == ["api"]:
 hvd.allreduce(torch.ones(1000), name="plain.allreduce")
 hvd.broadcast(torch.ones(10), root_rank=0, name="plain.broadcast")
 m = model()
+os.environ["STELLA_WAN_ROUTE"] = "dense"   # Horovod's dense route across the clusters
 opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
 steps(m, opt, 2)
+del os.environ["STELLA_WAN_ROUTE"]
+m = model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+steps(m, opt, 2)   # the automatic route
 m = model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                compression=hvd.Compression.cacheaware(density=0.05),
@@ -37,7 +44,8 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_pa
 steps(m, opt, 6)
 m = model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                               compression=hvd.Compression.topk(density=0.05), engine="cpu", staleness=1, model=m)
+                               compression=hvd.Compression.topk(density=0.05),
+                               engine=hvd.CpuEngine(staleness=1, warmup=0, model=m))
 steps(m, opt, 3)
 opt.drain()
 if sys.argv[2:] == ["api"]:

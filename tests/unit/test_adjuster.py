@@ -390,11 +390,15 @@ def refused(match, **kw):
     else:
         raise SystemExit("not refused: %r" % (kw,))
 
-refused("sparse compressor", adjuster=hvd.Adjuster())
-refused("sparse compressor", compression=hvd.Compression.fp16, adjuster=hvd.Adjuster())
 refused("hvd.Adjuster", compression=hvd.Compression.topk(density=0.01), adjuster={"min_density": 0.01})
-refused("allow_accumulation", compression=hvd.Compression.topk(density=0.01), engine="cpu",
+refused("allow_accumulation", compression=hvd.Compression.topk(density=0.01), engine=hvd.CpuEngine(),
         adjuster=hvd.Adjuster(allow_accumulation=True))
+# one cluster: the automatic route's adjuster has nothing to choose; the optimizer is Horovod's
+for comp in (hvd.Compression.none, hvd.Compression.fp16):
+    dense = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), compression=comp,
+                                     adjuster=hvd.Adjuster())
+    assert dense._route.kind == "dense" and dense.route == "dense", dense.route
 try:
     hvd.Compression.topk(density=0.01).with_density(1.5)
 except ValueError as e:

@@ -6,7 +6,7 @@ import sys
 from mpi_launch import ROOT
 
 PUBLIC = {
-    "Adasum", "Adjuster", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
+    "Adasum", "Adjuster", "Average", "Compression", "CpuEngine", "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "LocalSteps", "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
     "TensorMismatchError", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",

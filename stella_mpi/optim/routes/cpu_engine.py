@@ -38,24 +38,22 @@ import time
 
 import torch
 
-from .._native.pool import CpuPool
-from ..adjust.session import AdjustedOptimizer, adjust_session
-from ..api.allgather import allgather
-from ..api.functions import broadcast_object
-from ..api.handles import synchronize
-from ..api.handles import poll
-from ..api.queries import rank
-from ..base import timeline
-from ..base.devices import one_device, route_for
-from ..base.errors import HorovodInternalError, NonFiniteGradientError
-from ..comm.buffers import split_counts
-from ..comm.sparse_exchange import dense_rung, residual_key, sparse_reduce
-from ..compression import Memory
-from ..core import state
-from ..core.collective_thread import Op
-from .buckets import Bucket, BucketedOptimizer, parameter_names, plan_by_size
-from .momentum_correction import MomentumCorrectionState
-from .sparse_optim import SparseAdam, SparseAdamW, SparseSGD
+from ..._native.pool import CpuPool
+from ...api.allgather import allgather
+from ...api.functions import broadcast_object
+from ...api.handles import synchronize
+from ...api.handles import poll
+from ...api.queries import rank
+from ...base import timeline
+from ...base.devices import one_device, route_for
+from ...base.errors import HorovodInternalError, NonFiniteGradientError
+from ...comm.buffers import split_counts
+from ...comm.sparse_exchange import dense_rung, residual_key, sparse_reduce
+from ...core import state
+from ...core.collective_thread import Op
+from ..buckets import Bucket, plan_by_size
+from .sync import density_warmup
+from ..sparse_optim import SparseAdam, SparseAdamW, SparseSGD
 
 log = logging.getLogger("stella_mpi")
 
@@ -183,76 +181,64 @@ def execute_cpu_master(pset, desc, inputs, joined):
     return out
 
 
-class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
-    """Methods of the optimizer DistributedOptimizer returns with engine="cpu" (mixed in before
-    the user's class)."""
-    # its whole state is its own, sharded over the ranks: _stella_sync_state syncs all of it, and a
-    # state_dict() is collective (broadcast_optimizer_state and elastic sync read this)
-    _stella_sharded_state = True
+class CpuEngineRoute:
+    """The CPU engine as the optimizer's gradient route: its own buckets (per param group), its
+    own update (the C optimizer; the user's optimizer never steps), and its whole state sharded
+    over the ranks (so ``state_dict()`` is collective, and broadcast_optimizer_state and elastic
+    sync send all of it: ``sharded_state``)."""
+    kind = "cpu"
+    sharded_state = True
 
-    def __init__(self, params, named_parameters, compression, staleness, semantics, process_set,
-                 adjuster=None, staleness_warmup=0, stale_prediction=None, momentum_correction=False):
-        super().__init__(params)
-        if staleness not in (0, 1):
-            raise ValueError("staleness must be 0 or 1, not %r" % (staleness,))
-        if isinstance(staleness_warmup, bool) or not isinstance(staleness_warmup, int) or staleness_warmup < 0:
-            raise ValueError("staleness_warmup must be a number of steps >= 0, not %r" % (staleness_warmup,))
-        if semantics not in ("exact", "lazy"):
-            raise ValueError("cpu_semantics must be 'exact' or 'lazy', not %r" % (semantics,))
-        if stale_prediction is None:
-            stale_prediction = semantics == "exact"
-        if stale_prediction and semantics != "exact" and staleness == 1:
-            raise ValueError("stale_prediction needs cpu_semantics='exact' (lazy coordinates do not move "
-                             "without a gradient, so there is nothing to predict)")
-        topo = process_set.topology
-        if topo is not None and not topo.uniform_clusters:
-            raise ValueError("engine='cpu' needs clusters of equal size (shards line up across clusters); "
-                             "these clusters have %s ranks" % [len(m) for m in topo.cluster_members])
+    def __init__(self, opt, process_set, compression, engine):
+        self.opt = opt
         self._compression = compression if getattr(compression, "sparse", False) else None
-        self._staleness = staleness
-        self._warmup = staleness_warmup
-        self._predict = bool(stale_prediction) and staleness == 1
-        self._semantics = semantics
+        self._density_warmup = getattr(compression, "warmup", 0) if self._compression is not None else 0
+        self.warmup_cap = 1.0   # under the adjuster: the densest rung its step-time budget allows
+        self._staleness = engine.staleness
+        self._warmup = engine.warmup_steps if engine.staleness == 1 else 0
+        self._predict = engine.predicts
+        self._semantics = engine.semantics
         self._process_set = process_set
-        self._memory = Memory()
         self._steps = 0
         self._loaded = None   # the state last loaded, until the next step
-        self._names = parameter_names(self.param_groups, named_parameters)
-        sequences = [list(reversed([q for q in g["params"] if q.requires_grad])) for g in self.param_groups]
+        sequences = [list(reversed([q for q in g["params"] if q.requires_grad])) for g in opt.param_groups]
         flat_params = [p for seq in sequences for p in seq]
         for p in flat_params:
             if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda"):
                 raise ValueError("engine='cpu' keeps float32 master weights on the CPU for float32 CPU or CUDA "
-                                 "parameters; parameter %r is %s on %s" % (self._names[p], p.dtype, p.device))
+                                 "parameters; parameter %r is %s on %s" % (opt._names[p], p.dtype, p.device))
             if not p.is_contiguous():
                 raise ValueError("engine='cpu' copies each update into the parameter's memory in order; parameter "
                                  "%r is not contiguous (channels_last?): make the model's parameters contiguous, or "
-                                 "use engine=None" % self._names[p])
-        self._device = one_device(flat_params, "engine='cpu'", [self._names[p] for p in flat_params]) \
+                                 "use engine=None" % opt._names[p])
+        self._device = one_device(flat_params, "engine='cpu'", [opt._names[p] for p in flat_params]) \
             if flat_params else torch.device("cpu")
-        self._route = route_for(self._device) if self._device.type == "cuda" else None
-        # momentum correction (optim/momentum_correction.py): each rank keeps a velocity per bucket and
-        # the route carries velocities; the C optimizer then runs SGD without momentum or weight decay
-        self._mc = None
-        if momentum_correction:
-            if momentum_correction == "masking":
-                raise ValueError("engine='cpu': momentum factor masking is not supported (momentum_correction=True)")
-            if self._stella_base_class is not torch.optim.SGD or self._compression is None:
-                raise ValueError("engine='cpu' with momentum_correction needs SGD and a sparse compression")
-            for group in self.param_groups:
-                MomentumCorrectionState.check_group(group, "engine='cpu' with momentum_correction")
-            self._mc = MomentumCorrectionState()
+        self._cuda = route_for(self._device) if self._device.type == "cuda" else None
         rt = state.current()
         # the pool first: if its cores are refused, no hook is left on the model's parameters
         self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
         log.debug("rank %d: CPU engine workers pinned to cores %s", rt.rank, list(self._pool.cores))
         planned = plan_by_size(sequences, rt.config.fusion_threshold)
-        buckets = [_CpuBucket(i, ps, gi) for i, (gi, ps) in enumerate(planned)]
-        self._use_buckets(buckets, [p for b in buckets for p in b.params])
+        self.buckets = [_CpuBucket(i, ps, gi) for i, (gi, ps) in enumerate(planned)]
         self._module_hooks = []
-        self._adjust = adjust_session(adjuster, compression, process_set, overlap=staleness == 1, passes=1)
-        if self._adjust is not None:
-            self._compression = self._adjust.compression
+
+    @property
+    def process_set(self):
+        return self._process_set
+
+    @property
+    def compression(self):
+        return self._compression
+
+    def set_compression(self, compression):
+        self._compression = compression
+
+    def describe(self):
+        c = self._compression
+        return "CPU engine, staleness %d%s" % (self._staleness, ", %s %g %%" % (c.name, 100 * c.density) if c else "")
+
+    def launch_in_backward(self):
+        return True
 
     # -------- model hooks
 
@@ -260,9 +246,9 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         """Apply updates in forward pre-hooks of ``model``'s modules (called by DistributedOptimizer
         when the model is known; otherwise updates are applied in step())."""
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p in self._bucket_of]
+            own = [p for p in module.parameters(recurse=False) if p in self.opt._bucket_of]
             if own:
-                buckets = sorted({self._bucket_of[p].index for p in own})
+                buckets = sorted({self.opt._bucket_of[p].index for p in own})
                 self._module_hooks.append(module.register_forward_pre_hook(
                     lambda mod, args, b=buckets: self._ensure_buckets(b)))
         return self
@@ -277,7 +263,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
     def _ensure_buckets(self, indices):
         need = self._required()
         for i in indices:
-            bucket = self._buckets[i]
+            bucket = self.opt._buckets[i]
             self._apply_through(bucket, need)
             self._wait_copied(bucket)
 
@@ -292,10 +278,10 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         """Put staged update ``slot`` into the parameters: a plain copy on the CPU; for a CUDA
         model, host-to-device on the side stream after what the compute stream has queued so far
         (the parameters' last readers), with events for the slot and for the forward."""
-        if self._route is None:
+        if self._cuda is None:
             _copy_into_params(bucket.staged[slot], bucket.params)
             return
-        route = self._route
+        route = self._cuda
         route.after(torch.cuda.current_stream(self._device).record_event())
         with route.context():
             _copy_into_params(bucket.staged[slot], bucket.params, non_blocking=True)
@@ -304,7 +290,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
     def _apply_done(self, need):
         """CUDA model, in step(): queue the copies of the updates up to ``need`` that are done
         already, so they overlap the forward of the layers before theirs."""
-        for bucket in self._buckets:
+        for bucket in self.opt._buckets:
             while bucket.applied < need and bucket.applied + 1 in bucket.handles \
                     and poll(bucket.handles[bucket.applied + 1]):
                 self._apply_through(bucket, bucket.applied + 1)
@@ -323,14 +309,14 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             except NonFiniteGradientError as e:
                 bucket.applied = s   # nothing was updated or staged: the parameters stay as they are
                 if bucket.mc_momentum:
-                    self._mc.refused(bucket.name("cpu_engine.bucket", self._names), tag=s)
+                    self.opt._mc.refused(bucket.name("cpu_engine.bucket", self.opt._names), tag=s)
                 self._nonfinite(bucket, s, e)
                 continue
             if bucket.mc_momentum:
-                self._mc.applied(bucket.name("cpu_engine.bucket", self._names), tag=s)
+                self.opt._mc.applied(bucket.name("cpu_engine.bucket", self.opt._names), tag=s)
             t1 = time.perf_counter()
-            if self._adjust is not None:
-                self._adjust.idle(t1 - t0)
+            if self.opt._session is not None:
+                self.opt._session.idle(t1 - t0)
             self._copy_update(bucket, s % 2)
             bucket.applied = s
             bucket.times["wait_s"] += t1 - t0
@@ -345,7 +331,7 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             raise error
         state.current().wan_stats.add(skipped_nonfinite=1)
         log.warning("stella_mpi: the update of step %d skipped on every rank for %s: %s", step,
-                    bucket.name("cpu_engine.bucket", self._names), str(error).split(": ", 1)[-1])
+                    bucket.name("cpu_engine.bucket", self.opt._names), str(error).split(": ", 1)[-1])
 
     # -------- launching
 
@@ -355,13 +341,13 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         start = sum(bucket.counts[:topo.cluster_rank])
         flat = torch.cat([p.detach().reshape(-1) for p in bucket.params]).cpu()
         bucket.master = flat[start:start + bucket.counts[topo.cluster_rank]].clone()
-        group = self.param_groups[bucket.group_index]
-        bucket.mc_momentum = group["momentum"] if self._mc is not None and group.get("momentum", 0.0) > 0 else 0.0
+        group = self.opt.param_groups[bucket.group_index]
+        bucket.mc_momentum = group["momentum"] if self.opt._mc is not None and group.get("momentum", 0.0) > 0 else 0.0
         if bucket.mc_momentum:
             bucket.previous = bucket.master.clone()
-        bucket.sopt = _sparse_optimizer_for(self._stella_base_class, group, bucket.master, self._semantics,
+        bucket.sopt = _sparse_optimizer_for(self.opt._spec.base, group, bucket.master, self._semantics,
                                             bool(bucket.mc_momentum))
-        pinned = self._route is not None
+        pinned = self._cuda is not None
         bucket.staged = [torch.empty(bucket.numel, pin_memory=pinned), torch.empty(bucket.numel, pin_memory=pinned)]
         if pinned:
             bucket.grad_host = [torch.empty(bucket.numel, pin_memory=True), torch.empty(bucket.numel, pin_memory=True)]
@@ -375,12 +361,12 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         ``step + 1`` runs one step stale (the update is then first read at ``step + 2``)."""
         return bucket.predicts and self._staleness_at(step + 1) == 1
 
-    def _launch(self, bucket):
+    def launch(self, bucket):
         step = self._steps
         for p, (shape, device, dtype) in zip(bucket.params, bucket.shapes):
             if tuple(p.shape) != shape or p.device != device or p.dtype != dtype:
                 raise ValueError("parameter %r changed from %s %s on %s to %s %s on %s after DistributedOptimizer "
-                                 "wrapped it" % (self._names[p], dtype, list(shape), device, p.dtype,
+                                 "wrapped it" % (self.opt._names[p], dtype, list(shape), device, p.dtype,
                                                  list(p.shape), p.device))
         # the staging slot of step-2 is reused now: its update must be in the model already
         self._apply_through(bucket, step - 2)
@@ -390,13 +376,13 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                           for p in bucket.params])
         if bucket.mc_momentum:
             weights = torch.cat([p.detach().reshape(-1) for p in bucket.params])
-            self._mc.transform(bucket.name("cpu_engine.bucket", self._names), weights, grad,
-                               self.param_groups[bucket.group_index], tag=step)
+            self.opt._mc.transform(bucket.name("cpu_engine.bucket", self.opt._names), weights, grad,
+                               self.opt.param_groups[bucket.group_index], tag=step)
         ready = None
-        if self._route is not None:
+        if self._cuda is not None:
             # device-to-host on the side stream, after the kernels that wrote the gradients; the
             # collective thread waits for this copy only (slot step%2 is free: step-2 is applied)
-            route, host = self._route, bucket.grad_host[step % 2]
+            route, host = self._cuda, bucket.grad_host[step % 2]
             route.after(torch.cuda.current_stream(self._device).record_event())
             with route.context():
                 host.copy_(grad, non_blocking=True)
@@ -404,72 +390,83 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
             ready = route.record()
             grad = host
         rt = state.current()
-        name = bucket.name("cpu_engine.bucket", self._names)
+        name = bucket.name("cpu_engine.bucket", self.opt._names)
         desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
                 "op": "average", "step": step, "seed": rt.config.seed, "staleness": self._staleness,
                 "compressor": list(self._compression.settings()) if self._compression else ["none"]}
-        hparams = _hparams_of(self._stella_base_class, self.param_groups[bucket.group_index], bool(bucket.mc_momentum))
+        hparams = _hparams_of(self.opt._spec.base, self.opt.param_groups[bucket.group_index], bool(bucket.mc_momentum))
         # the update of step t is first read by the forward of step t+1 (synchronous) or t+2 (stale):
         # predicted weights only for the stale case
         predict = self._predicted_at(bucket, step)
         desc["predict"] = predict
         if step > 0:   # the updates of one bucket run in step order (ops are matched by name)
             desc["after"] = name + ".step%d" % (step - 1)
-        inputs = (grad, bucket, self._compression, self._memory, self._pool, hparams, self._semantics == "exact",
-                  predict)
+        comp = self._compression
+        if comp is not None and self._density_warmup:   # DGC's warm-up, as on the synchronous sparse route
+            comp = density_warmup(comp, step, self._density_warmup, self.warmup_cap)
+            desc["compressor"] = list(comp.settings())
+            if self.opt._session is not None and comp is not self._compression:
+                self.opt._session.note_density(step, comp.density)
+        inputs = (grad, bucket, comp, self.opt._memory, self._pool, hparams, self._semantics == "exact", predict)
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
                                                               execute_cpu_update, self._process_set, finite, ready))
 
-    def _on_grad_ready(self, p):
-        if p not in self._bucket_of[p].pending:
+    def grad_ready(self, p):
+        if p not in self.opt._bucket_of[p].pending:
             raise AssertionError("engine='cpu': the gradient of %r was computed twice before step(); the engine takes "
                                  "one backward pass per step and started that step's update at the first"
-                                 % self._names[p])
-        self._grad_final(p)
+                                 % self.opt._names[p])
+        self.opt._grad_final(p)
 
     # -------- Horovod's optimizer API
 
     def synchronize(self):
         """Launch every bucket of this step that backward did not (e.g. unused parameters)."""
-        self._launch_remaining()
+        self.opt._launch_remaining()
 
-    def skip_synchronize(self):
+    needs_synchronize = False   # update() launches what backward did not
+
+    def hooked_params(self):
+        return [p for b in self.buckets for p in b.params]
+
+    def skip_synchronize_refusal(self):
         """Refused: the engine reads each gradient when backward produces it, so code between
         ``synchronize()`` and ``step()`` (a clip_grad_norm_) cannot change the update."""
-        raise ValueError("engine='cpu' takes each gradient when backward produces it, so changing gradients between "
+        return ValueError("engine='cpu' takes each gradient when backward produces it, so changing gradients between "
                          "synchronize() and step() would not change the update; use engine=None for Horovod's "
                          "synchronize(); clip; with opt.skip_synchronize(): step() pattern")
 
-    def step(self, closure=None):
+    def update(self, closure=None):
+        """The step: the remaining buckets launched, the updates the next forward needs applied
+        (all of them at staleness 0 or without the model's hooks)."""
         loss = closure() if closure is not None else None
-        if self._adjust is not None:
-            self._adjust.enter()
+        if self.opt._session is not None:
+            self.opt._session.enter()
         self.synchronize()
         self._steps += 1
+        self.opt._step_count = self._steps
         self._loaded = None
-        self._start_step()
+        self.opt._start_step()
         need = self._required()
         if self._staleness_at(self._steps) == 0 or not self._module_hooks:
-            for b in self._buckets:
+            for b in self.opt._buckets:
                 self._apply_through(b, need)
                 self._wait_copied(b)
-        elif self._route is not None:
+        elif self._cuda is not None:
             self._apply_done(need)
         state.current().wan_stats.end_step()
-        if self._adjust is not None and self._adjust.end_step(self._steps, 1) is not None:
-            self._compression = self._adjust.compression
         return loss
 
     def engine_times(self):
         """Seconds spent so far, summed over buckets (see TIMES): where the CPU engine's time goes.
         The collective-thread entries are updated by that thread; read them after drain()."""
-        return {k: sum(b.times[k] for b in self._buckets) for k in TIMES}
+        return {k: sum(b.times[k] for b in self.opt._buckets) for k in TIMES}
 
     def wait_updates(self):
         """Wait for every launched update and put it in the parameters (with stale prediction,
         the predicted weights: see drain)."""
-        for b in self._buckets:
+        for b in self.opt._buckets:
             self._apply_through(b, max(b.handles) if b.handles else b.applied)
             self._wait_copied(b)
 
@@ -479,21 +476,21 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         is a collective (call it on every rank, like state_dict)."""
         self.wait_updates()
         thread = state.current().collective_thread
-        for b in self._buckets:
+        for b in self.opt._buckets:
             if not b.predicted_in_model:
                 continue
             slot = (b.applied + 1) % 2
             if b.copied[slot] is not None:
                 b.copied[slot].synchronize()       # a CUDA model's copy out of it has run
             out = b.staged[slot]   # free: nothing is in flight now
-            name = b.name("cpu_engine.bucket", self._names)
+            name = b.name("cpu_engine.bucket", self.opt._names)
             synchronize(thread.submit(Op("cpu_master", name + ".master",
                                          {"kind": "cpu_master", "name": name, "step": b.applied}, (b, out),
                                          execute_cpu_master, self._process_set)))
             _copy_into_params(out, b.params)
             b.predicted_in_model = False
 
-    def _stella_sync_state(self, root_rank):
+    def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s whole engine state on every rank (collective).
         The state is sharded over the cluster's ranks, so after Horovod's "rank 0 loads a
         checkpoint" only rank 0's shard holds it: the checkpoint rank 0 loaded since its last
@@ -510,9 +507,9 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         self.drain()
         topo = self._process_set.topology
         out = {"engine": "cpu", "steps": self._steps, "semantics": self._semantics, "buckets": []}
-        if self._mc is not None:
-            out["stella_momentum_correction"] = self._mc.state_dict()   # this rank's velocities
-        for b in self._buckets:
+        if self.opt._mc is not None:
+            out["stella_momentum_correction"] = self.opt._mc.state_dict()   # this rank's velocities
+        for b in self.opt._buckets:
             if b.master is None:
                 out["buckets"].append(None)
                 continue
@@ -535,19 +532,20 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
         parameters at the next step."""
         if state.get("engine") != "cpu":
             raise ValueError("not a state_dict of a CPU-engine optimizer")
-        if len(state["buckets"]) != len(self._buckets):
+        if len(state["buckets"]) != len(self.opt._buckets):
             raise ValueError("engine='cpu': the checkpoint has %d buckets, this optimizer %d (another fusion "
-                             "threshold or other trainable parameters)" % (len(state["buckets"]), len(self._buckets)))
-        for b, sb in zip(self._buckets, state["buckets"]):
+                             "threshold or other trainable parameters)" % (len(state["buckets"]), len(self.opt._buckets)))
+        for b, sb in zip(self.opt._buckets, state["buckets"]):
             if sb is not None and any(t.numel() != b.numel for t in sb["full"].values()):
-                raise ValueError("engine='cpu': bucket %d of the checkpoint holds %s entries, this optimizer's "
-                                 "%d (another fusion threshold or other trainable parameters)"
-                                 % (b.index, sorted({t.numel() for t in sb["full"].values()}), b.numel))
+                raise ValueError("engine='cpu': bucket %d of the checkpoint (parameters %s) holds %s entries, this "
+                                 "optimizer's %d (another fusion threshold or other trainable parameters)"
+                                 % (b.index, ", ".join(repr(self.opt._names[p]) for p in b.params),
+                                    sorted({t.numel() for t in sb["full"].values()}), b.numel))
         self.drain()
-        self._memory.reset()   # (residuals of steps after the checkpoint, for parameters it no longer holds)
+        self.opt._memory.reset()   # (residuals of steps after the checkpoint, for parameters it no longer holds)
         self._loaded = state   # (what broadcast_optimizer_state sends until the next step)
         topo = self._process_set.topology
-        for b, sb in zip(self._buckets, state["buckets"]):
+        for b, sb in zip(self.opt._buckets, state["buckets"]):
             if sb is None:   # saved before its first update: start it afresh, as then
                 b.master = b.sopt = b.previous = b.predicted = None
                 b.applied = state["steps"] - 1
@@ -565,21 +563,6 @@ class _CpuEngineOptimizer(BucketedOptimizer, AdjustedOptimizer):
                 b.previous.copy_(b.master)   # the prediction extrapolates from the loaded weights
             b.applied = state["steps"] - 1
             b.predicted_in_model = False
-        self._steps = state["steps"]
-        if self._mc is not None and "stella_momentum_correction" in state:
-            self._mc.load_state_dict(state["stella_momentum_correction"])
-
-
-def make_cpu_engine_optimizer(optimizer, named_parameters, compression, staleness, semantics, process_set,
-                              model=None, adjuster=None, staleness_warmup=0, stale_prediction=None,
-                              momentum_correction=False):
-    if type(optimizer) not in SUPPORTED:
-        raise ValueError("engine='cpu' runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in C; "
-                         "%s is not supported (use engine=None for any optimizer)" % type(optimizer).__name__)
-    cls = type(optimizer.__class__.__name__, (_CpuEngineOptimizer, optimizer.__class__), {})
-    cls._stella_base_class = optimizer.__class__
-    opt = cls(optimizer.param_groups, named_parameters, compression, staleness, semantics, process_set, adjuster,
-              staleness_warmup, stale_prediction, momentum_correction)
-    if model is not None:
-        opt.attach(model)
-    return opt
+        self._steps = self.opt._step_count = state["steps"]
+        if self.opt._mc is not None and "stella_momentum_correction" in state:
+            self.opt._mc.load_state_dict(state["stella_momentum_correction"])

@@ -1,0 +1,433 @@
+"""The outer synchronization: what the clusters exchange besides the gradient route.
+
+:class:`NoOuterSync` (every synchronous route): nothing. :class:`LocalStepsSync`
+(``hvd.LocalSteps``): gradients are averaged inside each cluster at every step (the optimizer's
+gradient route is then the cluster's), and the clusters meet only every ``every`` steps, as in
+post-local SGD and Cloudless-Training (model averaging) or DiLoCo (an outer Nesterov optimizer).
+
+Every H-th step, after the user's update::
+
+    delta = anchor - params                    the pseudo-gradient (identical inside a cluster)
+    avg   = allreduce(delta, Average, compression)  over all ranks (the mean over clusters,
+                                                    weighted by cluster size)
+    params = anchor;  params.grad = avg;  outer.step()     the outer optimizer, a torch optimizer
+    anchor = params
+
+The outer optimizer is a real ``torch.optim.Optimizer`` over the model's parameters (as in
+torchft's DiLoCo), with its own ``state_dict`` and learning-rate schedulers
+(``opt.outer_optimizer``). ``LocalSteps(outer=...)`` names a preset or gives one:
+
+* ``"average"``: ``SGD(lr=1)``: ``params = anchor - avg``, model averaging;
+* ``"nesterov"``: ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``, DiLoCo's
+  (m = mu m + avg; params = anchor - lr (avg + mu m));
+* a callable ``params -> torch.optim.Optimizer``, or an optimizer already built over the
+  model's parameters (every trainable one).
+
+``anchor`` is taken at the first ``step()`` (after the user's ``broadcast_parameters``), so every
+rank starts from the same parameters and, after each outer step, holds the same parameters
+again (the all-reduce's result is the same everywhere). With ``every=1``, ``outer="average"`` and
+no compression this is synchronous dense training for any optimizer whose update is linear in
+the gradient and its own state (SGD with momentum and weight decay): the mean over clusters of
+the clusters' velocities follows the same recursion as the velocity of the mean gradient.
+Optimizers with a non-linear update (Adam) keep a per-cluster state and are not equivalent, as in
+DiLoCo (there, the inner optimizer is AdamW by design).
+
+``overlap=True`` hides the exchange behind the next period's local steps and applies it one
+period late. At the end of period k each rank launches the exchange of its pseudo-gradient
+``delta_k = anchor - params`` and trains on; at the end of period k+1 it waits for the mean
+``avg_k``, and then, the same on every rank::
+
+    anchor' = outer(anchor, avg_k)                (the outer step above)
+    params  = anchor' + (params - (anchor - delta_k))   its cluster's progress since the launch kept
+    anchor  = anchor'
+
+and launches ``delta_{k+1} = anchor - params`` (that progress). Every rank computes the same
+anchor; a rank's parameters are the anchor plus its own cluster's last period, so the clusters
+never hold quite the same parameters: ``opt.sync_clusters()`` completes the exchange in flight
+and runs one more, blocking, after which every rank holds the anchor (call it before evaluating
+or saving a model that must be the same everywhere). A checkpoint leaves the exchange in flight
+out: a rank that restores its own checkpoint puts that period's progress into the next exchange,
+so nothing is lost; restoring rank 0's checkpoint everywhere (Horovod's pattern) replaces the
+other clusters' last one to two periods by cluster 0's: call ``sync_clusters()`` before such a
+checkpoint. The exchange runs on its own communicator (:class:`OuterChannel`, a duplicate of
+the shard or leader communicator) with MPI's non-blocking allreduce, outside the collective
+thread, so the next period's intra-cluster reductions do not queue behind it: each cluster's
+ranks send one shard each (the pseudo-gradient is the same inside a cluster), weighted by
+cluster size, and all-gather the mean inside the cluster. It takes compression none.
+
+With an adjuster H is chosen at each exchange from the period's compute and exchange times
+(with ``overlap``, also the exchange's wire time, its arrival polled once per local step)
+gathered from all ranks (adjust/local_steps_rule.py) and applies from the next period, on every
+rank alike.
+
+The strategy itself talks to no other rank: the blocking exchange and the gather of the
+period's times are functions given to it (:func:`pseudo_gradient_exchange` and an all-gather
+in production), so it is tested in one process against a two-cluster simulation
+(tests/unit/test_outer_sync.py).
+"""
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..adjust.local_steps_rule import period_times
+
+log = logging.getLogger("stella_mpi")
+OUTER_PRESETS = ("average", "nesterov")
+
+__all__ = ["LocalSteps", "NoOuterSync", "LocalStepsSync", "OUTER_PRESETS"]
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """What the user asks for (public name ``hvd.LocalSteps``), passed as
+    ``DistributedOptimizer(..., local_steps=hvd.LocalSteps(every=H))``.
+
+    every: local steps between two cross-cluster exchanges (H >= 1).
+    outer: the outer optimizer: "average" (model averaging), "nesterov" (DiLoCo: Nesterov SGD
+        with ``outer_lr`` and ``outer_momentum``), a callable ``params -> torch.optim.Optimizer``,
+        or a ``torch.optim.Optimizer`` built over the model's parameters.
+    outer_lr, outer_momentum: the "nesterov" preset's (DiLoCo uses 0.7 and 0.9).
+    overlap: hide each exchange behind the next period's local steps and apply it one period
+        late (see the module's documentation; compression none only).
+    compression: the pseudo-gradient's (an ``hvd.Compression``); None: the optimizer's
+        ``compression``. Set it when the adjuster switches modes (``hvd.Adjuster(modes=("sync",
+        "local"))``): the optimizer's compression is then the synchronous route's.
+    """
+    every: int
+    outer: object = "average"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = False
+    compression: object = None
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError("LocalSteps: every must be an int >= 1 (local steps per exchange), got %r"
+                             % (self.every,))
+        if not (self.outer in OUTER_PRESETS if isinstance(self.outer, str) else
+                isinstance(self.outer, torch.optim.Optimizer) or callable(self.outer)):
+            raise ValueError("LocalSteps: outer must be one of %s, a callable params -> torch.optim.Optimizer, or a "
+                             "torch.optim.Optimizer over the model's parameters; got %r"
+                             % (", ".join(OUTER_PRESETS), self.outer))
+        if not (isinstance(self.outer_lr, (int, float)) and self.outer_lr > 0):
+            raise ValueError("LocalSteps: outer_lr must be > 0, got %r" % (self.outer_lr,))
+        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
+            raise ValueError("LocalSteps: outer_momentum must be in [0, 1), got %r" % (self.outer_momentum,))
+        if not isinstance(self.overlap, bool):
+            raise ValueError("LocalSteps: overlap must be True or False, got %r" % (self.overlap,))
+        if self.compression is not None and not callable(getattr(self.compression, "compress", None)):
+            raise ValueError("LocalSteps: compression must be an hvd.Compression, got %r" % (self.compression,))
+
+    def outer_optimizer(self, named):
+        """The outer torch optimizer over the parameters ``named`` [(name, parameter)]."""
+        params = [p for _, p in named]
+        if self.outer == "average":
+            return torch.optim.SGD(params, lr=1.0)
+        if self.outer == "nesterov":
+            return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        if isinstance(self.outer, torch.optim.Optimizer):
+            outer = self.outer
+        else:
+            outer = self.outer(params)
+            if not isinstance(outer, torch.optim.Optimizer):
+                raise ValueError("LocalSteps(outer=%r): the callable must return a torch.optim.Optimizer over the "
+                                 "parameters it is given, got %r" % (self.outer, type(outer).__name__))
+        theirs = {id(p) for g in outer.param_groups for p in g["params"]}
+        ours = {id(p): n for n, p in named}
+        missing = [n for i, n in ours.items() if i not in theirs]
+        if missing or set(theirs) - set(ours):
+            raise ValueError("LocalSteps(outer=...): the outer optimizer must hold exactly the model's trainable "
+                             "parameters; %s" % ("it lacks %s" % ", ".join(sorted(missing)) if missing else
+                                                 "it holds parameters the DistributedOptimizer does not"))
+        return outer
+
+
+class NoOuterSync:
+    """The synchronous routes': nothing crosses besides the gradients."""
+    kind = "none"
+    overlap = False
+
+    def before_step(self):
+        pass
+
+    def after_step(self):
+        return None
+
+    def sync_clusters(self):
+        pass
+
+    def state_dict(self):
+        return None
+
+
+class LocalStepsState:
+    """Where local steps stand: H now, steps since the last exchange, exchanges done."""
+
+    def __init__(self, every):
+        self.every = every
+        self.local_steps = 0
+        self.exchanges = 0
+
+
+class LocalStepsSync:
+    """The outer synchronization of local steps (the module's documentation).
+
+    ``named``: [(name, parameter)] of the trainable parameters; ``exchange(deltas)``: the mean
+    over all ranks of each rank's pseudo-gradients (blocking, collective); ``channel``: an
+    :class:`OuterChannel` for ``overlap``; ``rule``: a :class:`LocalStepsRule` choosing H, with
+    ``gather(row)`` all-gathering each rank's period times (int64 rows)."""
+    kind = "local"
+
+    def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0):
+        self.settings = settings
+        self.named = list(named)
+        self.outer = settings.outer_optimizer(self.named)
+        self.progress = LocalStepsState(settings.every)
+        self.anchor = {}
+        self.exchange = exchange
+        self.channel = channel
+        self.overlap = channel is not None
+        self.rule = rule
+        self.gather = gather
+        self.cluster_id = cluster_id
+        self.reason = None           # the last H decision's
+        self.measured = None         # (compute_s, exchange_s, wire_s) the last H decision was taken from
+        self.in_sync = False         # overlap: every rank holds the anchor and nothing was trained since
+        self._period_start = None    # perf_counter at the current period's start
+        self._timed = False          # the current period was timed from its start (not the first one)
+        self._gather_s = 0.0         # the last decision's gather: part of the next exchange's cost
+
+    @property
+    def every(self):
+        return self.progress.every
+
+    # ---------------- the step
+
+    def before_step(self):
+        if not self.anchor:
+            self.capture()                  # the broadcast parameters, before the first update
+        if self._period_start is None:      # the first period (after a load): timed from here, not whole
+            self._period_start, self._timed = time.perf_counter(), False
+
+    def after_step(self):
+        """After the user's update: the exchange every H steps. Returns the measured times of a
+        decision on H when one was taken (else None)."""
+        self.in_sync = False
+        p = self.progress
+        p.local_steps += 1
+        if self.channel is not None:    # (also drives MPI's progress on the exchange in flight)
+            self.channel.poll()
+        if p.local_steps < p.every:
+            return None
+        started = time.perf_counter()
+        compute_s = (started - self._period_start) / p.local_steps
+        if self.channel is not None:
+            self.channel.last = None
+            self._overlapped_outer_step()
+            if self.rule is None:
+                return None
+            last = self.channel.last   # None at the first boundary: nothing was in flight
+            exposed = max(0.0, last[1] - started) if last else 0.0   # the wait for the wire
+            return self._choose_every(compute_s, time.perf_counter() - started - exposed,
+                                      last[1] - last[0] if last else None)
+        self.outer_step()
+        if self.rule is None:
+            return None
+        return self._choose_every(compute_s, time.perf_counter() - started)
+
+    def capture(self):
+        self.anchor = {n: p.detach().clone() for n, p in self.named}
+
+    def restart(self, every):
+        """A new phase of local steps from the parameters as they are (the same on every rank):
+        H = ``every``, the rule's history and the outer optimizer's state cleared (they belong to
+        a past phase)."""
+        self.capture()
+        self.progress.every, self.progress.local_steps = every, 0
+        if self.rule is not None:
+            self.rule.restart(every)
+        self.outer.state.clear()
+        self._period_start = None
+        self.in_sync = True
+
+    def exclude_time(self, seconds):
+        if self._period_start is not None:
+            self._period_start += seconds
+
+    # ---------------- the outer step
+
+    def _outer_apply(self, avgs, progress=None):
+        """The outer optimizer's step from the anchor with the mean pseudo-gradients ``avgs``
+        (one per parameter, in ``named`` order); every parameter becomes the new anchor, plus
+        ``progress`` (one tensor per parameter, or None)."""
+        with torch.no_grad():
+            saved = [p.grad for _, p in self.named]
+            for (name, p), avg in zip(self.named, avgs):
+                p.copy_(self.anchor[name])
+                p.grad = avg.to(p.device, p.dtype).view_as(p)
+            self.outer.step()
+            for i, ((name, p), grad) in enumerate(zip(self.named, saved)):
+                self.anchor[name].copy_(p)
+                p.grad = grad
+                if progress is not None:
+                    p.add_(progress[i])
+        self.progress.exchanges += 1
+
+    def deltas(self):
+        return [(self.anchor[name] - p.detach()).contiguous() for name, p in self.named]
+
+    def outer_step(self):
+        """The blocking exchange of the steps since the last one, and the outer step."""
+        self._outer_apply(self.exchange(self.deltas()))
+        self.progress.local_steps = 0
+        self._period_start = time.perf_counter()
+
+    def _flat_delta(self):
+        wide = any(p.dtype == torch.float64 for _, p in self.named)
+        dtype = torch.float64 if wide else torch.float32
+        return torch.cat([(self.anchor[n] - p.detach()).reshape(-1).to("cpu", dtype) for n, p in self.named])
+
+    def _apply_pending(self, no_progress=False):
+        """Wait for the exchange in flight and apply it one period late. ``no_progress``:
+        nothing was trained since the launch, so the parameters become the new anchor exactly
+        (the same bits on every rank)."""
+        avg, sent = self.channel.wait()
+        avgs, progress, offset = [], [], 0
+        with torch.no_grad():
+            for name, p in self.named:
+                n = p.numel()
+                anchor = self.anchor[name]
+                avgs.append(avg[offset:offset + n].view_as(p))
+                if not no_progress:   # p - (anchor - delta): this cluster's progress since the launch
+                    d = sent[offset:offset + n].view_as(p).to(p.device, anchor.dtype)
+                    progress.append(p.detach() - (anchor - d))
+                offset += n
+        self._outer_apply(avgs, None if no_progress else progress)
+
+    def _overlapped_outer_step(self):
+        if self.channel.pending is not None:
+            self._apply_pending()
+        self.channel.launch(self._flat_delta())
+        self.progress.local_steps = 0
+
+    def sync_clusters(self):
+        """Make every rank hold the same parameters now: with ``overlap``, complete the exchange
+        in flight and run one more, blocking; without, run the exchange of the steps since the
+        last one (if any). Collective: every rank calls it at the same step."""
+        if self.channel is None:
+            if self.progress.local_steps:
+                self.outer_step()
+            return
+        if not self.anchor or self.in_sync:
+            return
+        if self.channel.pending is not None:
+            if self.progress.local_steps == 0:   # launched at this very step: nothing trained since
+                self._apply_pending(no_progress=True)
+                self.in_sync = True
+                return
+            self._apply_pending()
+        self.channel.launch(self._flat_delta())
+        self._apply_pending(no_progress=True)
+        self.progress.local_steps = 0
+        self.in_sync = True
+        self._period_start = None   # the next period starts at the next step (its first untimed)
+
+    def consensus_parameters(self):
+        """{name: tensor}: the anchor, the parameters the clusters last agreed on."""
+        return {n: t.clone() for n, t in self.anchor.items()}
+
+    # ---------------- choosing H
+
+    def _choose_every(self, compute_s, exchange_s, wire_s=None):
+        """The adjuster's H for the next period, from this period's times (seconds per local
+        step; seconds the exchange blocked the step; with overlap, the seconds from the launch
+        of the exchange just applied to its arrival), gathered from every rank as integer
+        microseconds with its cluster (one all-gather: every rank decides from the same values),
+        combined by :func:`..adjust.local_steps_rule.period_times`; the exchange includes the last
+        gather's time. A period not timed from its start on some rank (the first one, or after a
+        load), or with nothing in flight, decides nothing. Returns the times decided from, or
+        None."""
+        t0 = time.perf_counter()
+        measured = self._timed and (wire_s is not None or self.channel is None)
+        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
+                              round(1e6 * (wire_s or 0.0)), self.cluster_id, int(measured)]], dtype=torch.int64)
+        rows = self.gather(mine)
+        self._gather_s = time.perf_counter() - t0
+        self.measured = None
+        if bool((rows[:, 4] == 1).all()):
+            p = self.progress
+            self.rule.every = p.every   # (a loaded checkpoint may have set it)
+            compute, exchange, wire = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
+                                                    for r in rows.tolist()])
+            wire = wire if self.channel is not None else None
+            every, reason = self.rule.observe(compute, exchange, wire)
+            self.measured = (compute, exchange, wire)
+            if every != p.every:
+                log.info("stella_mpi: local steps H %d -> %d (%s)", p.every, every, reason)
+            p.every, self.reason = every, reason
+        self._period_start, self._timed = time.perf_counter(), True
+        return self.measured
+
+    # ---------------- checkpoints
+
+    def state_dict(self):
+        p = self.progress
+        return {"every": p.every, "local_steps": p.local_steps, "exchanges": p.exchanges,
+                "anchor": {n: t.clone() for n, t in self.anchor.items()}, "outer": self.outer.state_dict()}
+
+    def check(self, sd):
+        """Raise ValueError, naming what is wrong, unless ``sd`` fits these parameters (a
+        checkpoint of this layout, or of the one before the outer optimizer: ``momentum`` by
+        parameter name)."""
+        names = [n for n, _ in self.named]
+        for key in ("local_steps", "exchanges", "anchor"):
+            if key not in sd:
+                raise ValueError("LocalSteps state: the checkpoint has no %r (keys %s)" % (key, sorted(sd)))
+        by_name = dict(self.named)
+        for what in ("anchor", "momentum"):
+            held = sd.get(what) or {}
+            unknown = sorted(set(held) - set(names))
+            if unknown or (what == "anchor" and held and set(held) != set(names)):
+                raise ValueError("LocalSteps state: %s names %s, the optimizer's parameters are %s"
+                                 % (what, unknown or sorted(held), sorted(names)))
+            for n, t in held.items():
+                if not torch.is_tensor(t) or t.shape != by_name[n].shape:
+                    raise ValueError("LocalSteps state: %s of parameter %r has shape %s, the parameter %s"
+                                     % (what, n, list(getattr(t, "shape", [])), list(by_name[n].shape)))
+
+    def state_dict_on_host(self):
+        """The state with its tensors on the CPU (to send to ranks whose devices differ)."""
+        sd = self.state_dict()
+        sd["anchor"] = {n: t.cpu() for n, t in sd["anchor"].items()}
+        sd["outer"] = _to_cpu(sd["outer"])
+        return sd
+
+    def load_state_dict(self, sd, keep_every=False):
+        """Load ``sd`` (checked first): tensors moved to each parameter's device and dtype.
+        ``keep_every``: H stays this optimizer's own (no adjuster: the user's ``every`` holds)."""
+        self.check(sd)
+        params = dict(self.named)
+        p = self.progress
+        p.every = p.every if keep_every else int(sd.get("every", self.settings.every))
+        p.local_steps, p.exchanges = int(sd["local_steps"]), int(sd["exchanges"])
+        self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
+        if "outer" in sd:
+            self.outer.load_state_dict(sd["outer"])
+        else:   # the layout before the outer optimizer: the Nesterov preset's momentum by name
+            self.outer.state.clear()
+            for n, t in (sd.get("momentum") or {}).items():
+                self.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
+        self._period_start = None
+        self.in_sync = False
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,522 @@
+"""The optimizer's strategies composed from its spec, and the adjuster's glue: who chooses the
+route, and how a choice is applied (by replacing an object, at a step boundary, on every rank
+at the same step).
+
+:func:`compose` builds the gradient route and the outer synchronization the spec asks for:
+
+================================  ==========================================================
+spec                              route, outer sync, tuner
+================================  ==========================================================
+engine=hvd.CpuEngine(...)         CpuEngineRoute; an adjuster tunes its density
+op=hvd.Adasum                     AdasumRoute
+local_steps=hvd.LocalSteps(...)   the cluster's DenseRoute + LocalStepsSync (an adjuster with
+                                  the step-time objective chooses H)
+a sparse / THC compressor         SparseRoute / THCRoute; an adjuster tunes density and bits
+                                  (:class:`DensityTuner`)
+Adjuster(modes=("sync", "local")) :class:`ModeSwitch`: the sparse route and local steps
+no stella compressor, 2+ clusters  the automatic route: :class:`ModeSwitch` over every rung
+                                  (dense, sparse densities, THC bits, local steps)
+otherwise                         DenseRoute (Horovod's)
+================================  ==========================================================
+
+The automatic route (``STELLA_WAN_ROUTE=auto``, the default) starts from a measurement of the
+link (:mod:`..adjust.link_probe`) and logs one line on rank 0: the clusters, the link, the route
+and how to get Horovod's dense numerics instead. Every later change is logged with its reason,
+counted in ``hvd.stats()`` (``route``, ``route_reason``, ``route_step``) and marked in the
+timeline (``ROUTE``).
+"""
+import dataclasses
+import logging
+import math
+
+import torch
+
+from ..adjust.controller import Estimate
+from ..adjust.link_probe import probe_link
+from ..adjust.local_steps_rule import LocalStepsRule
+from ..adjust.mode_rule import ModeRule
+from ..adjust.session import adjust_session, thc_wire_bytes
+from ..adjust.settings import MODES, AdjusterSettings
+from ..api.allgather import allgather
+from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
+from ..api.functions import broadcast_object
+from ..api.handles import synchronize
+from ..api.queries import rank
+from ..api.reduce_ops import Average
+from ..base import timeline
+from ..comm.hierarchy import allreduce_bytes
+from ..compression import Compression
+from ..core import state
+from ..core.process_sets import global_process_set
+from .clusters import cluster_process_set
+from .outer_channel import OuterChannel
+from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
+from .routes.adasum import AdasumRoute
+from .routes.cpu_engine import CpuEngineRoute
+from .routes.sync import ENTRY_BYTES, DenseRoute, SparseRoute, THCRoute
+
+log = logging.getLogger("stella_mpi")
+route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0 (core/state.py)
+
+# the automatic route's defaults: the synchronous route's sparse compressor (its own defaults:
+# singles beside blocks, momentum correction, the warm-up), the pseudo-gradient of local steps,
+# and the adjuster's rungs
+AUTO_DENSITY = 0.01
+AUTO_PSEUDO_BITS = 4
+AUTO_THC_BITS = (2, 4, 8)
+_exchanges = iter(range(1 << 62))   # names each optimizer's pseudo-gradient exchange (same order on every rank)
+
+
+def compose(opt):
+    """Install the route, the outer synchronization and the tuner ``opt._spec`` asks for."""
+    spec = opt._spec
+    kind = spec.route_kind()
+    pset = spec.process_set
+    if kind == "cpu":
+        route = CpuEngineRoute(opt, pset, spec.compression, spec.engine)
+        opt._install(route, NoOuterSync())
+        session = adjust_session(spec.adjuster, spec.compression, pset, overlap=spec.engine.staleness == 1, passes=1)
+        if session is not None:
+            route.set_compression(session.compression)
+            _budget_warmup(route, session, None)
+            opt._tuner = DensityTuner(opt, session)
+        if spec.engine.model is not None:
+            route.attach(spec.engine.model)
+        return
+    if kind == "adasum":
+        opt._install(AdasumRoute(opt, pset, spec.compression), NoOuterSync())
+        return
+    if spec.local_steps is not None and not spec.modes:
+        rule = LocalStepsRule(spec.adjuster, spec.local_steps.every) if spec.adjuster is not None else None
+        pseudo = spec.local_steps.compression if spec.local_steps.compression is not None else spec.compression
+        opt._install(DenseRoute(opt, cluster_process_set(), kind="cluster"),
+                     local_steps_sync(opt, spec.local_steps, pseudo, rule))
+        return
+    if kind == "auto" or spec.modes:
+        ModeSwitch.build(opt)
+        return
+    if kind in ("sparse", "thc"):
+        opt._install(sparse_route(opt, spec.compression), NoOuterSync())
+        session = adjust_session(spec.adjuster, spec.compression, pset, overlap=False, passes=spec.passes)
+        if session is not None:
+            opt._session = session
+            opt._tuner = DensityTuner(opt, session)
+            opt._route.set_compression(session.compression)
+            _budget_warmup(opt._route, session, None)
+        return
+    opt._install(DenseRoute(opt, pset, spec.compression, spec.op, spec.predivide, local_clip=spec.local_clip),
+                 NoOuterSync())
+
+
+def sparse_route(opt, compression):
+    """The synchronous compressed route of ``compression``: THC's or a sparse compressor's."""
+    spec = opt._spec
+    if getattr(compression, "homomorphic", False):
+        return THCRoute(opt, spec.process_set, compression, spec.op, spec.predivide)
+    return SparseRoute(opt, spec.process_set, compression, spec.op, spec.predivide, warmup=spec.warmup_steps(),
+                       dense_below=spec.dense_below, local_clip=spec.local_clip)
+
+
+def pseudo_gradient_exchange(comp, name):
+    """The blocking exchange of local steps' pseudo-gradients over all ranks through ``comp``:
+    a sparse or THC compressor (one fused buffer, one error-feedback residual per shard), or a
+    dense one (fp16/bf16/none)."""
+    def exchange(deltas):
+        if getattr(comp, "sparse", False):
+            return synchronize(compressed_allreduce_async(deltas, comp, name, Average, inplace=True))
+        pairs = [comp.compress(d) for d in deltas]
+        out = synchronize(grouped_allreduce_async([c for c, _ in pairs], op=Average, name=name))
+        return [comp.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
+    return exchange
+
+
+def local_steps_sync(opt, settings, pseudo, rule=None):
+    """The LocalStepsSync of ``opt`` (its exchange through ``pseudo``, its channel with overlap,
+    the all-gather of period times for ``rule``)."""
+    name = "local_steps.%d.delta" % next(_exchanges)
+    named = [(opt._names[p], p) for p in opt._params]
+    return LocalStepsSync(settings, named, pseudo_gradient_exchange(pseudo, name),
+                          channel=OuterChannel(name) if settings.overlap else None, rule=rule,
+                          gather=lambda row: allgather(row, name=name + ".times"),
+                          cluster_id=global_process_set.topology.cluster_id)
+
+
+def payload_per_entry(comp, nclusters):
+    """Wire bytes one rank sends per shard entry of the pseudo-gradient through ``comp``, as the
+    routes count them: THC's summed words and scales; a sparse selection's entries gathered from
+    the C - 1 other clusters (its bytes per entry: values and indices); a dense allreduce."""
+    if getattr(comp, "homomorphic", False):
+        return thc_wire_bytes(comp.bits, nclusters, comp.block_log2)
+    if getattr(comp, "sparse", False):
+        return (nclusters - 1) * comp.density * ENTRY_BYTES.get(comp.name, 6.0)
+    width = 2 if comp.name in ("fp16", "bf16") else 4
+    n = 1 << 20
+    return allreduce_bytes(width * n, nclusters) / n
+
+
+def pseudo_backlog(controller, est, comp):
+    """The backlog ``comp`` leaves on the pseudo-gradient, as the controller counts it for the
+    synchronous rung of that compression (none, fp16 and bf16 leave none)."""
+    if getattr(comp, "homomorphic", False):
+        return controller.backlog(est, 1.0, comp.bits)
+    if getattr(comp, "sparse", False):
+        return controller.backlog(est, comp.density)
+    return 0.0
+
+
+def _announce(opt, step, reason):
+    """Log (rank 0), count (hvd.stats()) and mark (timeline) the route now in force."""
+    route = opt.route
+    opt.route_changes.append((step, route, reason))
+    state.current().wan_stats.annotate(route=route, route_reason=reason, route_step=step)
+    timeline.instant("ROUTE", step=step, route=route, reason=reason)
+    if rank() == 0:
+        route_log.info("from step %d: %s (%s)", step, route, reason)
+
+
+def _budget_warmup(route, session, decision):
+    """Under the adjuster the density warm-up may raise the density only as far as the step-time
+    budget allows (``Adjuster.target``; before the first estimate: not above the start)."""
+    if hasattr(route, "warmup_cap"):
+        est = decision.estimate if decision is not None else None
+        route.warmup_cap = session.controller.budget_density(est) if est is not None else \
+            session.compression.density if not getattr(session.compression, "homomorphic", False) else 1.0
+
+
+class DensityTuner:
+    """The adjuster on one synchronous compressed route (or the CPU engine): its session's
+    decisions move the density, the THC bits and the backward passes, from the next step on. A
+    move between a sparse rung and a THC rung replaces the route object (the residuals and
+    velocities are the optimizer's, so they carry over)."""
+
+    def __init__(self, opt, session):
+        self.opt = opt
+        self.session = session
+        self.switches = []
+        self.reason = None
+        self.local = None
+
+    def describe(self):
+        return self.opt._route.describe()
+
+    def after_step(self, measured):
+        opt = self.opt
+        route = opt._route
+        steps = route._steps if route.kind == "cpu" else opt._step_count
+        d = self.session.end_step(steps, opt.backward_passes_per_step)
+        if d is None:
+            return
+        self.apply(d)
+
+    def apply(self, d):
+        opt, comp = self.opt, self.session.compression
+        route = opt._route
+        _budget_warmup(route, self.session, d)
+        if route.kind == "cpu":
+            route.set_compression(comp)
+        elif route.kind != ("thc" if getattr(comp, "homomorphic", False) else "sparse"):
+            opt._install(sparse_route(opt, comp), opt._outer)
+        else:
+            route.set_compression(comp)
+        if d.passes != opt.backward_passes_per_step:
+            opt.set_backward_passes_per_step(d.passes)
+        if d.changed:
+            _announce(opt, opt._step_count, d.reason)
+
+    def save(self, out):
+        pass
+
+    def restore(self, state_dict):
+        return lambda: None
+
+    def sync_state(self, root_rank):
+        pass
+
+
+class ModeSwitch:
+    """The optimizer that moves between a synchronous route (tuned by the adjuster's session:
+    densities, THC bits, dense) and local steps (the cluster's route and a LocalStepsSync, H
+    chosen by the local-steps rule), on every rank at the same step, by the time-to-loss
+    objective (adjust/mode_rule.py).
+
+    * To local steps, after a synchronous decision: the parameters (the same on every rank)
+      become the anchor, H starts at the mode rule's prediction, the rule's history and the
+      outer optimizer's state are cleared (they belong to a past phase). With momentum
+      correction each rank's velocity is averaged inside its cluster into SGD's momentum buffer
+      (cheap: no WAN), so the cluster's momentum goes on where the ranks' left off.
+    * Back to the synchronous route, after an exchange (with ``overlap``, after
+      ``sync_clusters()``): every rank holds the agreed parameters. With momentum correction the
+      cluster's momentum buffer becomes each rank's velocity again (the mean over ranks of
+      the velocities is then the mean of the clusters' momentum: no WAN exchange); otherwise the
+      user's optimizer state (SGD's momentum, Adam's moments; not its step counts) is averaged
+      over all ranks, weighted by cluster size, because each cluster's followed its own
+      gradients and the synchronous route needs it equal everywhere.
+
+    The error-feedback residuals (the optimizer's) and the controller's estimates and rung carry
+    over: what was not sent is sent when the route is back.
+    """
+
+    def __init__(self, opt, sync_route, session, local, pseudo, adjuster):
+        self.opt = opt
+        self.sync_route = sync_route
+        self.session = session
+        self.local = local
+        self.pseudo = pseudo
+        self.switches = []            # [(step, mode, reason)], the same on every rank
+        self.reason = None
+        self.rule = None
+        self.cluster_route = DenseRoute(opt, cluster_process_set(), kind="cluster")
+        if session is not None:
+            ctrl = session.controller
+            nclusters = opt._spec.clusters
+            self.rule = ModeRule(adjuster, ctrl, nclusters, payload_per_entry(pseudo, nclusters),
+                                 lambda est: pseudo_backlog(ctrl, est, pseudo))
+
+    @classmethod
+    def build(cls, opt):
+        """The ModeSwitch of a spec with modes or the automatic route."""
+        spec = opt._spec
+        automatic = spec.route_kind() == "auto"
+        adjuster = spec.adjuster or AdjusterSettings()
+        settings = dataclasses.replace(adjuster, modes=MODES,
+                                       thc_bits=adjuster.thc_bits or (AUTO_THC_BITS if automatic else ()))
+        if spec.stella_compression:
+            base = spec.compression
+        else:   # the automatic route's sparse rungs; 16-bit values where the user asked for fp16/bf16
+            value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
+            base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
+        ls = spec.local_steps or LocalSteps(every=8, compression=Compression.thc(bits=AUTO_PSEUDO_BITS))
+        pseudo = ls.compression if ls.compression is not None else Compression.thc(bits=AUTO_PSEUDO_BITS)
+        pset = spec.process_set
+        probe = probe_link(pset) if automatic and pset.included() and spec.clusters >= 2 else None
+        session = adjust_session(settings, base, pset, overlap=False, passes=spec.passes) \
+            if spec.clusters >= 2 else None
+        if session is not None:
+            sync = sparse_route(opt, session.compression)
+            _budget_warmup(sync, session, None)
+        elif spec.stella_compression:
+            sync = sparse_route(opt, base)
+        else:   # one cluster, no stella compressor: nothing crosses a WAN, Horovod's route
+            sync = DenseRoute(opt, pset, spec.compression, spec.op, spec.predivide)
+        local = local_steps_sync(opt, ls, pseudo, LocalStepsRule(settings, ls.every))
+        switch = cls(opt, sync, session, local, pseudo, settings)
+        opt._tuner = switch
+        opt._session = session
+        opt._install(sync, NoOuterSync())
+        if session is not None:
+            why = "the adjuster's first rung"
+            if probe is not None:
+                why = "link measured at %.0f Mbit/s, %.1f ms latency" % (probe.bandwidth_bps / 1e6,
+                                                                         1e3 * probe.latency_s)
+            switch._start_line(probe, automatic, why)
+
+    # ---------------- what runs
+
+    @property
+    def mode(self):
+        return self.opt.mode
+
+    def describe(self):
+        if self.opt._outer.kind == "local":
+            return "local steps H=%d, pseudo-gradient %s" % (self.local.every, _comp_name(self.pseudo))
+        return self.opt._route.describe()
+
+    def _start_line(self, probe, automatic, why):
+        opt, spec = self.opt, self.opt._spec
+        topo = spec.process_set.topology
+        sizes = "+".join(str(len(m)) for m in topo.cluster_members)
+        route = opt.route
+        opt.route_changes.append((0, route, why))
+        state.current().wan_stats.annotate(route=route, route_reason=why, route_step=0,
+                                           wan_probe_bps=probe.bandwidth_bps if probe else None)
+        timeline.instant("ROUTE", step=0, route=route, reason=why)
+        if rank() != 0:
+            return
+        how = ("automatic route across %d clusters (%s ranks); %s; starting with %s, then the adjuster chooses "
+               "dense, sparse densities, THC bits or local steps by time to loss. For Horovod's exact dense numerics: "
+               "STELLA_WAN_ROUTE=dense (stellarun --wan-route dense)" % (topo.num_clusters, sizes, why, route)
+               if automatic else
+               "%d clusters (%s ranks); the adjuster moves between %s and local steps, starting with %s"
+               % (topo.num_clusters, sizes, _comp_name(spec.compression), route))
+        route_log.info("%s", how)
+
+    # ---------------- the step
+
+    def after_step(self, measured):
+        opt = self.opt
+        if opt._outer.kind == "local":
+            if self.rule is not None and measured is not None:
+                compute, exchange, wire = measured
+                _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire)
+                if self.rule.mode == "sync":
+                    self._enter_sync()
+            return
+        session = self.session
+        if session is None:
+            return
+        d = session.end_step(opt._step_count, opt.backward_passes_per_step)
+        if d is None:
+            return
+        comp = session.compression
+        route = opt._route
+        if route.kind != ("thc" if getattr(comp, "homomorphic", False) else "sparse"):
+            self.sync_route = sparse_route(opt, comp)
+            opt._install(self.sync_route, opt._outer)
+        else:
+            route.set_compression(comp)
+        _budget_warmup(opt._route, session, d)
+        if d.estimate is not None:
+            mode, self.reason = self.rule.after_sync(d.estimate)
+            if mode == "local":
+                self._enter_local()
+                return
+        if d.changed:
+            _announce(opt, opt._step_count, d.reason)
+
+    def _record(self, mode):
+        opt = self.opt
+        self.switches.append((opt._step_count, mode, self.reason))
+        log.info("stella_mpi: from step %d %s (%s)", opt._step_count,
+                 "local steps" if mode == "local" else "synchronous", self.reason)
+        timeline.instant("ADJUST_MODE", step=opt._step_count, mode=mode, reason=self.reason)
+        _announce(opt, opt._step_count, self.reason)
+
+    def _set_mode(self, mode):
+        """The route of the next step: local steps on the cluster's set with the session paused,
+        or the synchronous route with the session resumed."""
+        opt = self.opt
+        if mode == "local":
+            opt._session = None
+            opt._install(self.cluster_route, self.local)
+        else:
+            opt._session = self.session
+            self.session.resume()
+            opt._install(self.sync_route, NoOuterSync())
+
+    def _enter_local(self):
+        every = self.rule.predicted_every
+        self.local.restart(every)
+        self._velocity_to_buffers()
+        self._set_mode("local")
+        self._record("local")
+
+    def _enter_sync(self):
+        self.local.sync_clusters()
+        if self.opt._mc is not None:
+            self._buffers_to_velocity()
+        else:
+            self._average_optimizer_state()
+        self._set_mode("sync")
+        self._record("sync")
+
+    # ---------------- the user's optimizer state across a switch
+
+    def _velocity_to_buffers(self):
+        """Momentum correction: each rank's velocity, averaged inside its cluster, becomes SGD's
+        momentum buffer (the cluster's momentum in local steps)."""
+        opt = self.opt
+        mc = opt._mc
+        if mc is None:
+            return
+        held = [p for p in opt._mc_groups if opt._names[p] in mc.velocity]
+        if not held:
+            return
+        cluster = self.cluster_route.process_set
+        out = synchronize(grouped_allreduce_async([mc.velocity[opt._names[p]].contiguous() for p in held],
+                                                  op=Average, name="mode_switch.velocity", process_set=cluster))
+        for p, v in zip(held, out):
+            opt.state[p]["momentum_buffer"] = v.clone()
+
+    def _buffers_to_velocity(self):
+        """Momentum correction: the cluster's momentum buffer (the same on its ranks) becomes
+        each rank's velocity; the buffers themselves are left to SGD, which does not read them
+        while the route carries velocities."""
+        opt = self.opt
+        for p in opt._mc_groups:
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                opt._mc.velocity[opt._names[p]] = buf.detach().clone()
+
+    def _average_optimizer_state(self):
+        """Every floating-point tensor of the user's optimizer state averaged over all ranks,
+        weighted by cluster size as the pseudo-gradients are (one dense exchange, at the switch
+        only)."""
+        opt = self.opt
+        held = [(p, key) for p in opt._params for key, t in sorted(opt.state.get(p, {}).items())
+                if torch.is_tensor(t) and t.is_floating_point() and t.numel() > 0 and key != "step"]
+        if not held:
+            return
+        tensors = [opt.state[p][key].contiguous() for p, key in held]
+        out = synchronize(grouped_allreduce_async(tensors, op=Average, name="mode_switch.state"))
+        for (p, key), t in zip(held, out):
+            opt.state[p][key].copy_(t)
+
+    # ---------------- checkpoints
+
+    def _saved_mode(self):
+        return {"mode": self.opt.mode,
+                "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None}
+
+    def save(self, out):
+        out["stella_local_steps"] = self.local.state_dict()
+        out["stella_mode"] = self._saved_mode()
+
+    def restore(self, state_dict):
+        """Check the checkpoint's mode and local-steps state now (before anything is loaded);
+        returns what takes them afterwards (the parameters are taken as loaded, no exchange)."""
+        mode, estimate = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}))
+        saved = state_dict.pop("stella_local_steps", None)
+        if saved is not None:
+            self.local.check(saved)
+
+        def take():
+            if self.local.channel is not None:
+                self.local.channel.drop()
+            if saved is not None:
+                self.local.load_state_dict(saved)
+            self._take_mode(mode, estimate)
+        return take
+
+    def _take_mode(self, mode, estimate):
+        if self.session is None:
+            return
+        if mode != self.opt.mode:
+            if mode == "local" and not self.local.anchor:
+                self.local.capture()
+            self._set_mode(mode)
+        self.rule.take(mode, estimate)
+
+    def sync_state(self, root_rank):
+        """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a
+        checkpoint loaded on the root alone may have changed its mode)."""
+        if self.local.channel is not None:
+            self.local.channel.drop()
+        mine = self.local.state_dict_on_host() if rank() == root_rank else None
+        self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
+        self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
+                                                       root_rank, name="mode_switch.mode")))
+
+
+def _comp_name(comp):
+    if getattr(comp, "homomorphic", False):
+        return "thc %d bits" % comp.bits
+    if getattr(comp, "sparse", False):
+        return "%s %g %%" % (comp.name, 100 * comp.density)
+    return comp.name
+
+
+def checked_mode(saved):
+    """(mode, Estimate or None) from a checkpoint's ``stella_mode``; ValueError naming what is
+    wrong (before anything is loaded)."""
+    what = "DistributedOptimizer checkpoint: stella_mode"
+    if not isinstance(saved, dict) or saved.get("mode") not in MODES:
+        raise ValueError("%s must be {'mode': one of %s, 'sync_estimate': ...}, got %r" % (what, MODES, saved))
+    est = saved.get("sync_estimate")
+    if est is None:
+        return saved["mode"], None
+    fields = {f.name for f in dataclasses.fields(Estimate)}
+    if not isinstance(est, dict) or set(est) != fields or not all(
+            v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in est.values()):
+        raise ValueError("%s: sync_estimate must hold the numbers %s, got %r" % (what, sorted(fields), est))
+    return saved["mode"], Estimate(**est)
+
