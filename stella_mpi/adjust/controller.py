@@ -110,6 +110,7 @@ class Estimate:
     elements: float = 0.0       # entries exchanged per step on the bottleneck channel (THC rungs' payload)
     fixed_thc_s: Optional[float] = None   # fixed_s measured on THC rungs (None: not yet; fixed_s is used)
     backlog_kappa_thc: float = 1.0        # THC's residual-to-gradient norm ratio over 1 / L
+    cpu_s: float = 0.0          # of fixed_s: selection, encoding, decoding, merge per step, slowest rank
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ def sample_from_rows(rows, overlap):
         if grad > 0 and res > 0:   # no residual below density 1: no error feedback, nothing measured
             backlog = math.sqrt(res / grad)
     return {"compute_s": compute, "rest_s": max(rest, 0.0), "latency_s": latency, "messages": msgs,
+            "cpu_s": max(r[F["cpu_s"]] for r in rows),
             "bytes": nbytes, "exchange_s": secs, "bytes_per_density": None if bits else nbytes / density,
             "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog,
             "bits": bits, "elements": elements}
@@ -340,7 +342,8 @@ class Controller:
                         wan_bandwidth_bps=bw / _median([h["share"] for h in recent]),
                         step_s=_median([h["step_s"] for h in recent]),
                         elements=_median([h.get("elements", 0.0) for h in recent]),
-                        fixed_thc_s=self._known.get("fixed_thc"), backlog_kappa_thc=self.kappa_thc)
+                        fixed_thc_s=self._known.get("fixed_thc"), backlog_kappa_thc=self.kappa_thc,
+                        cpu_s=_median([h.get("cpu_s", 0.0) for h in recent]))
 
     def predict(self, est, passes, density, bits=0):
         """Predicted step time of a rung: a sparse one (bits 0) by its payload per unit density,

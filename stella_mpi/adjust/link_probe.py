@@ -27,9 +27,12 @@ MAX_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class LinkProbe:
-    """The link between clusters as measured: bits per second of the bottleneck pair, the
-    latency of a tiny exchange (seconds), and the bytes of the round the bandwidth came from."""
+    """The link between clusters as measured: bits per second of all pairs of shard owners
+    together (they share the link, as a step's exchanges do) and of one pair (the bottleneck),
+    the latency of a tiny exchange (seconds), and the bytes of the round the bandwidth came
+    from."""
     bandwidth_bps: float
+    pair_bps: float
     latency_s: float
     nbytes: int
 
@@ -61,7 +64,9 @@ def execute_link_probe(pset, desc, inputs, joined):
             break
         nbytes *= 8
     moved = allreduce_bytes(nbytes, topo.num_clusters)
-    return LinkProbe(bandwidth_bps=8.0 * moved / max(took - latency, 1e-6), latency_s=latency, nbytes=nbytes)
+    pair = 8.0 * moved / max(took - latency, 1e-6)
+    pairs = topo.cluster_size if topo.uniform_clusters else 1   # the shard owners exchange at once
+    return LinkProbe(bandwidth_bps=pair * pairs, pair_bps=pair, latency_s=latency, nbytes=nbytes)
 
 
 def probe_link(pset):

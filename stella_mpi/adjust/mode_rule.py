@@ -27,20 +27,27 @@ it for the synchronous rung of that compression (a sparse density, THC bits; non
 What each side is predicted from:
 
 * In sync mode, every adjuster decision (:class:`.controller.Estimate`). A local step costs what
-  a synchronous step costs besides the WAN exchange (``compute_s + fixed_s``: the reduction
-  inside the cluster, the optimizer, and the selection, which local steps do not pay, so local
-  steps are predicted a little dear). The pseudo-gradient's exchange is the current rung's
-  whole predicted wire time, latency included, scaled by the payloads' ratio (its payload: the
-  shard's entries, ``Estimate.elements``, times its compression's bytes per entry), plus the
-  latency. The controller's own bandwidth, fitted from payloads of some KB, can be off by
-  orders of magnitude for one of some MB (measured on the byte LM at 20 Mbit/s: 12 to 128000
-  Mbit/s between windows), so it is not used alone. Where latency makes most of the rung's
-  wire time, this overstates the exchange and hardly follows the link: on the byte LM it
-  predicted 255-260 ms at 20 Mbit/s, 100 Mbit/s and 1 Gbit/s alike, so local steps were
-  entered at H=32-64 and charged that H's backlog (at 1 Gbit/s the local-steps rule, measuring,
-  went to H=8 three periods later). With ``overlap`` the whole exchange is counted, though
-  part of it would hide. Both errors are on the side of staying synchronous. H is the one the
-  local-steps rule would choose without hysteresis (:func:`.local_steps_rule.smallest_fitting`).
+  a synchronous step costs besides the WAN exchange and the sparse route's own CPU work
+  (:func:`local_step_time`: ``compute_s + fixed_s - cpu_s``, the reduction inside the cluster
+  and the optimizer). The pseudo-gradient's exchange (its payload: the shard's entries,
+  ``Estimate.elements``, times its compression's bytes per entry):
+
+  - with the link measured before the first step (``link_bps``, adjust/link_probe.py, payloads
+    of a megabyte or more: the automatic route), that payload at the link's rate, plus the
+    messages' latency and ``cpu_s`` (encoding the pseudo-gradient's shard costs about what
+    selecting from the gradient's does);
+  - otherwise, the current rung's whole predicted wire time, latency included, scaled by the
+    payloads' ratio, plus the latency. The controller's own bandwidth, fitted from payloads of
+    some KB, can be off by orders of magnitude for one of some MB (measured on the byte LM at
+    20 Mbit/s: 12 to 128000 Mbit/s between windows), so it is not used alone. Where latency
+    makes most of the rung's wire time, this overstates the exchange and hardly follows the
+    link: on the byte LM it predicted 255-260 ms at 20 Mbit/s, 100 Mbit/s and 1 Gbit/s alike,
+    so local steps were entered at H=32-64 (at 1 Gbit/s the local-steps rule, measuring, went
+    to H=8 three periods later).
+
+  With ``overlap`` the whole exchange is counted, though part of it would hide: on the side of
+  staying synchronous. H is the one the local-steps rule would choose without hysteresis
+  (:func:`.local_steps_rule.smallest_fitting`).
 * In local mode, every exchange: the measured compute per local step and exchange time (with
   overlap, also the wire time beyond the H steps it runs beside). The bandwidth is the
   pseudo-gradient's payload over the exchange's time (with overlap, its wire time); an
@@ -62,6 +69,13 @@ from .local_steps_rule import smallest_fitting
 from .settings import MODES
 
 
+def local_step_time(est):
+    """A local step's predicted time: what a synchronous step costs besides the WAN exchange
+    and the sparse route's own CPU work (selection, encoding, decoding, merge), which local
+    steps do not do: compute, the reduction inside the cluster, the optimizer."""
+    return est.compute_s + max(est.fixed_s - est.cpu_s, 0.0)
+
+
 def local_backlog_shape(every, nclusters):
     """The share of progress local steps hold back, in the sparse backlog's unit: the other
     clusters' share ``1 - 1/C``, for ``(H - 1) / 2`` steps on average."""
@@ -75,7 +89,8 @@ class ModeRule:
     ``controller``: the synchronous route's (its current rung is scored);
     ``pseudo_backlog(est)``: the backlog the pseudo-gradient's compression leaves;
     ``payload_per_entry``: the pseudo-gradient's wire bytes per shard entry (its compression);
-    ``nclusters``: C."""
+    ``nclusters``: C; ``link_bps``: the bandwidth of one pair of shard owners measured with
+    payloads of a megabyte or more before the first step (adjust/link_probe.py), or None."""
     settings: object
     controller: Controller
     nclusters: int
@@ -84,6 +99,7 @@ class ModeRule:
     mode: str = "sync"
     sync_estimate: Optional[Estimate] = None   # the last synchronous one (kept through local mode)
     predicted_every: Optional[int] = None      # the H local steps would start from (after_sync)
+    link_bps: Optional[float] = None
     _votes: int = 0       # decisions running that favoured the other mode
     _held: int = 0        # decisions taken in the current mode
 
@@ -96,8 +112,16 @@ class ModeRule:
         return self.controller.score(est, self.controller._rung())
 
     def _predicted_exchange(self, est):
-        """The pseudo-gradient's exchange: the current rung's predicted wire time, latency
-        included, scaled by the payloads' ratio, plus the latency."""
+        """The pseudo-gradient's exchange. With the measured link: its payload at the link's
+        bandwidth, the messages' latency, and the sparse route's selection, encoding, decoding
+        and merge per step (``cpu_s``: the pseudo-gradient's encoding of the same shard costs
+        about as much). Without:
+        the current rung's predicted wire time, latency included, scaled by the payloads'
+        ratio, plus the latency (the controller's bandwidth, fitted from payloads of some KB, is
+        not used alone)."""
+        if self.link_bps:
+            return (est.messages * est.latency_s + 8.0 * est.elements * self.payload_per_entry / self.link_bps
+                    + est.cpu_s)
         c = self.controller
         now = c.payload(est, c.density, c.bits)
         latency = est.messages * est.latency_s
@@ -108,14 +132,15 @@ class ModeRule:
         """A synchronous decision's estimate; returns (mode, reason): "local" to switch."""
         self.sync_estimate = est
         s = self.settings
-        step_local = est.compute_s + est.fixed_s
+        step_local = local_step_time(est)
         exchange = self._predicted_exchange(est)
         every = self.predicted_every = smallest_fitting(s.local_steps, s.target, step_local, exchange)
         here = self.sync_score(est)
         there = self.local_score(est, step_local, exchange, every)
+        link = self.link_bps or est.bandwidth_bps
         return self._vote(here, there, "local steps H=%d: predicted %.1f ms per step, exchange %.1f ms (%.0f entries "
                           "at %.0f Mbit/s); sync %.3f, local %.3f" % (every, 1e3 * step_local, 1e3 * exchange,
-                                                                      est.elements, est.bandwidth_bps / 1e6, here, there))
+                                                                      est.elements, link / 1e6, here, there))
 
     def after_local(self, step_s, exchange_s, every, wire_s=None):
         """A local-steps decision's measured times (seconds per local step, seconds the exchange

@@ -25,6 +25,7 @@ and how to get Horovod's dense numerics instead. Every later change is logged wi
 counted in ``hvd.stats()`` (``route``, ``route_reason``, ``route_step``) and marked in the
 timeline (``ROUTE``).
 """
+import collections
 import dataclasses
 import logging
 import math
@@ -35,7 +36,7 @@ from ..adjust.controller import Estimate
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
 from ..adjust.mode_rule import ModeRule
-from ..adjust.session import adjust_session, thc_wire_bytes
+from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
 from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
@@ -256,7 +257,7 @@ class ModeSwitch:
     over: what was not sent is sent when the route is back.
     """
 
-    def __init__(self, opt, sync_route, session, local, pseudo, adjuster):
+    def __init__(self, opt, sync_route, session, local, pseudo, adjuster, probe=None):
         self.opt = opt
         self.sync_route = sync_route
         self.session = session
@@ -264,13 +265,15 @@ class ModeSwitch:
         self.pseudo = pseudo
         self.switches = []            # [(step, mode, reason)], the same on every rank
         self.reason = None
+        self.votes = collections.deque(maxlen=KEEP_WINDOWS)   # every mode decision: (step, mode, reason)
         self.rule = None
         self.cluster_route = DenseRoute(opt, cluster_process_set(), kind="cluster")
         if session is not None:
             ctrl = session.controller
             nclusters = opt._spec.clusters
             self.rule = ModeRule(adjuster, ctrl, nclusters, payload_per_entry(pseudo, nclusters),
-                                 lambda est: pseudo_backlog(ctrl, est, pseudo))
+                                 lambda est: pseudo_backlog(ctrl, est, pseudo),
+                                 link_bps=probe.pair_bps if probe is not None else None)
 
     @classmethod
     def build(cls, opt):
@@ -299,7 +302,7 @@ class ModeSwitch:
         else:   # one cluster, no stella compressor: nothing crosses a WAN, Horovod's route
             sync = DenseRoute(opt, pset, spec.compression, spec.op, spec.predivide)
         local = local_steps_sync(opt, ls, pseudo, LocalStepsRule(settings, ls.every))
-        switch = cls(opt, sync, session, local, pseudo, settings)
+        switch = cls(opt, sync, session, local, pseudo, settings, probe)
         opt._tuner = switch
         opt._session = session
         opt._install(sync, NoOuterSync())
@@ -348,6 +351,7 @@ class ModeSwitch:
             if self.rule is not None and measured is not None:
                 compute, exchange, wire = measured
                 _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire)
+                self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
             return
@@ -367,6 +371,7 @@ class ModeSwitch:
         _budget_warmup(opt._route, session, d)
         if d.estimate is not None:
             mode, self.reason = self.rule.after_sync(d.estimate)
+            self.votes.append((opt._step_count, mode, self.reason))
             if mode == "local":
                 self._enter_local()
                 return
@@ -515,7 +520,9 @@ def checked_mode(saved):
     if est is None:
         return saved["mode"], None
     fields = {f.name for f in dataclasses.fields(Estimate)}
-    if not isinstance(est, dict) or set(est) != fields or not all(
+    # (a field with a default may be missing: the previous release saved fewer)
+    required = {f.name for f in dataclasses.fields(Estimate) if f.default is dataclasses.MISSING}
+    if not isinstance(est, dict) or not required <= set(est) <= fields or not all(
             v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in est.values()):
         raise ValueError("%s: sync_estimate must hold the numbers %s, got %r" % (what, sorted(fields), est))
     return saved["mode"], Estimate(**est)

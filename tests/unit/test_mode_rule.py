@@ -1,13 +1,14 @@
 """The adjuster's choice between the synchronous route and local steps
 (stella_mpi/adjust/mode_rule.py), with the controller's real scores: both modes in the
 time-to-loss unit, hysteresis, and the predictions each mode makes of the other."""
+import dataclasses
 import math
 
 import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
 from stella_mpi.adjust.local_steps_rule import smallest_fitting
-from stella_mpi.adjust.mode_rule import ModeRule, local_backlog_shape
+from stella_mpi.adjust.mode_rule import ModeRule, local_backlog_shape, local_step_time
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -165,3 +166,23 @@ def test_take_restores_the_estimate_and_restarts_the_dead_band():
     r2, _ = rule(s)
     r2.take("local", Estimate(**saved))
     assert r2.sync_estimate == r.sync_estimate and r2.mode == "local" and r2._held == 0 and r2._votes == 0
+
+
+def test_with_the_measured_link_the_exchange_follows_the_link():
+    """The link probe's bandwidth (one pair of shard owners, measured with MB payloads) replaces
+    the rung-scaled guess: the pseudo-gradient's payload at that rate, plus the messages'
+    latency and the sparse route's CPU work per step (``cpu_s``, which a local step does not
+    pay), so H follows the link (the guess predicted about the same exchange at every rate on
+    the byte LM)."""
+    s = Adjuster(modes=("sync", "local"), window=1)
+    for rate, want, every in ((20 * MBIT, 0.002 + 8 * 0.5e6 / (20 * MBIT) + 0.004, 32),
+                              (1000 * MBIT, 0.002 + 0.004 + 0.004, 1)):
+        ctrl = Controller(s, density=0.01)
+        r = ModeRule(s, ctrl, 2, 0.5, lambda est: 0.0, link_bps=rate)
+        est = dataclasses.replace(estimate(rate), cpu_s=0.004)
+        assert r._predicted_exchange(est) == pytest.approx(want)
+        assert local_step_time(est) == pytest.approx(0.056)   # compute 50 ms + fixed 10 ms - selection 4 ms
+        r.after_sync(est)
+        assert r.predicted_every == every == smallest_fitting(s.local_steps, s.target, 0.056, want)
+    assert ModeRule(s, Controller(s, density=0.01), 2, 0.5, lambda est: 0.0, link_bps=20 * MBIT).predicted_every \
+        is None
