@@ -311,13 +311,14 @@ def main():
     if hvd and args.mode.startswith("cpu"):
         opt.drain()
     # the adjuster's session (the switching optimizer keeps it while local steps run)
-    session = getattr(opt, "_session", None) or getattr(opt, "_adjust", None)
+    session = getattr(getattr(opt, "_tuner", None), "session", None) or getattr(opt, "_session", None)
     if hvd and args.decisions_out and session is not None:
         with open("%s.rank%d" % (args.decisions_out, rank), "w") as f:
             json.dump({"decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
                        "trace": list(session.trace), "settings": vars(session.settings),
                        "overlap": session.controller.overlap, "start_density": session.start_density,
-                       "mode_switches": [(s, m) for s, m, _ in getattr(opt, "mode_switches", [])]}, f)
+                       "mode_switches": [(s, m) for s, m, _ in getattr(opt, "mode_switches", [])],
+                       "mode_votes": list(getattr(getattr(opt, "_tuner", None), "votes", []))}, f)
     val = curve[-1]["validation_loss"] if curve and curve[-1]["step"] == len(records) else held_out_loss()
     if rank == 0:
         with open(args.out, "w") as f:
