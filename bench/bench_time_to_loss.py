@@ -18,9 +18,16 @@ or 2 bits on every step), "local8+thc" (local steps, 4-bit THC pseudo-gradients)
 averaging with H chosen by the adjuster, step-time objective, --target), "localadapt+overlap" and "localadapt+thc" (H
 chosen, 4-bit THC pseudo-gradients), "switch" (hvd.Adjuster(modes=("sync", "local")): the adjuster moves
 between the sparse route, its density adjusted, and local steps with 4-bit THC pseudo-gradients, its H
-adjusted). The sparse modes use
---compressor (cache-aware by default) with error feedback. --preset 13 (the default) runs issue
-13's set, --preset 14 issue 14's.
+adjusted), "auto" (the untouched Horovod script on the automatic route), "cpu1" (the CPU engine
+with its defaults), and torchft's DiLoCo and Streaming DiLoCo ("torchft-diloco8",
+"torchft-streaming8": bench/torchft_peer.py; bench/requirements.txt says how to install torchft).
+The sparse modes use --compressor (cache-aware by default) with its defaults (error feedback,
+momentum correction, warm-up; --plain-sparse: without the last two). --preset 13 (the default)
+runs issue 13's set, --preset 14 issue 14's, --preset 30 issue 30's: the automatic route against
+every hand-picked stella route and every peer; it also reports, per rate, the time the automatic
+route takes to the best peer's final loss over the best hand-picked route's (target <= 1.1) and
+the best peer's time over the automatic route's (target >= 1.5), and writes one JSON and one PNG
+per rate beside the combined ones.
 
 The target loss of a rate is --target-loss, or else the median of the final held-out losses of
 that rate's runs (at least half of the modes reach it). Time to the target is the training time
@@ -30,12 +37,15 @@ density's; writes bench/results/time_to_loss.json and, with matplotlib, time_to_
 loss against training time, one panel per rate).
 """
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from provenance import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -64,13 +74,27 @@ MODES = {
     "localadapt+overlap": ["--mode", "localadapt", "--overlap"],
     "localadapt+thc": ["--mode", "localadapt:thc", "--bits", "4"],
     "switch": ["--mode", "switch:{c}", "--density", "0.01", "--bits", "4"],
+    "auto": ["--mode", "auto"],   # the untouched Horovod script: the automatic route
+    "cpu1": ["--mode", "cpu:{c}", "--density", "0.01"],   # the CPU engine with its defaults
+    # torchft's peers (bench/torchft_peer.py): DiLoCo every 8 steps, and Streaming DiLoCo (2 fragments,
+    # one synchronized every 4 steps, overlapped with 3 inner steps: its best of 1 and 3 at 100 Mbit/s),
+    # outer Nesterov lr 0.7, momentum 0.9
+    "torchft-diloco8": ["--mode", "torchft-diloco:8"],
+    "torchft-streaming8": ["--mode", "torchft-streaming:8:2", "--fragment-sync-delay", "3"],
 }
-PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers
+TORCHFT = ("torchft-diloco8", "torchft-streaming8")
+PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers;
+    # issue 30: the untouched script's automatic route, each hand-picked stella route, torch's and torchft's peers
     "13": ("ddp", "dense") + FIXED + ("adapt",),
     "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse", "thc4",
            "local8+thc"),
+    "30": ("auto", "dense", "d0.01", "d0.1", "thc4", "local8+thc", "localadapt+thc", "cpu1", "ddp", "powersgd",
+           "postlocal8") + TORCHFT,
 }
-TORCH_PEERS = ("ddp", "powersgd", "postlocal8")
+TORCH_PEERS = ("ddp", "powersgd", "postlocal8") + TORCHFT
+HAND_PICKED = ("dense",) + FIXED + ("d0.01+singles", "adapt", "adapt+thc", "local8", "diloco8", "local8+sparse", "thc4",
+                                    "thc2", "local8+thc", "local8+overlap", "diloco8+overlap", "localadapt",
+                                    "localadapt+overlap", "localadapt+thc", "switch", "cpu1")
 STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse", "switch"}
 
 
@@ -80,12 +104,16 @@ def run_one(rate, mode, args, tmp):
     how = [a.format(c=args.compressor) for a in MODES[mode]]
     if mode.startswith(("adapt", "switch")):   # (adapt+thc too: the same density range, THC rungs besides)
         how += ["--min-density", str(args.min_density), "--max-density", str(args.max_density)]
+    if mode in TORCHFT and importlib.util.find_spec("torchft") is None:
+        print("  %s %s ... skipped: torchft is not installed (bench/requirements.txt says how)" % (rate, mode))
+        return {"error": "torchft is not installed"}
+    script = "torchft_peer.py" if mode in TORCHFT else "e2e_train.py"
     cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
-           os.path.join(HERE, "e2e_train.py"), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
+           os.path.join(HERE, script), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
            "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
            "--out", out] + how
-    if args.momentum_correction and mode in STELLA_SPARSE - {"local8+sparse", "adapt+thc", "switch"}:
-        cmd.append("--momentum-correction")
+    if args.plain_sparse and mode in STELLA_SPARSE:
+        cmd.append("--plain-sparse")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)
     if proc.returncode != 0:
@@ -153,6 +181,15 @@ def summarize(runs, target_loss):
                 t = time_to(modes[mode]["curve"], loss)
                 row["to_peer_loss_s"] = t
                 row["peer_time_over_this"] = (t_peer / t) if (t and t_peer) else None   # >= 1.5: the target
+            # issue 30's yardsticks: the automatic route against the best hand-picked stella route (<= 1.1)
+            # and against the best peer (>= 1.5), both to the best peer's final loss
+            picked = [(m, rows[m]["to_peer_loss_s"]) for m in HAND_PICKED if rows.get(m, {}).get("to_peer_loss_s")]
+            if "auto" in rows and not rows["auto"].get("error") and picked:
+                best, t_best = min(picked, key=lambda x: x[1])
+                t_auto = rows["auto"].get("to_peer_loss_s")
+                table[rate]["automatic"] = {"best_hand_picked": best, "best_hand_picked_s": t_best, "auto_s": t_auto,
+                                            "auto_over_best_hand_picked": t_auto / t_best if t_auto else None,
+                                            "peer_over_auto": t_peer / t_auto if (t_auto and t_peer) else None}
     return table
 
 
@@ -186,6 +223,14 @@ def print_table(table, seconds):
                     print("  %-14s %12s %s" % (mode, "%.1f s" % tt if tt is not None else "not reached",
                                                "(%.1fx sooner)" % row["peer_time_over_this"]
                                                if row["peer_time_over_this"] else ""))
+        auto = t.get("automatic")
+        if auto:
+            print("automatic route: %s to the best peer's final loss; best hand-picked stella route %s: %.1f s "
+                  "(automatic / best hand-picked %s, target <= 1.1; best peer / automatic %s, target >= 1.5)"
+                  % ("%.1f s" % auto["auto_s"] if auto["auto_s"] else "not reached", auto["best_hand_picked"],
+                     auto["best_hand_picked_s"], "%.2f" % auto["auto_over_best_hand_picked"]
+                     if auto["auto_over_best_hand_picked"] else "-",
+                     "%.2f" % auto["peer_over_auto"] if auto["peer_over_auto"] else "-"))
 
 
 def plot(runs, table, path):
@@ -225,14 +270,15 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--compressor", default="cacheaware")
-    p.add_argument("--momentum-correction", action="store_true", help="sparse modes with DGC's momentum correction")
+    p.add_argument("--plain-sparse", action="store_true",
+                   help="sparse modes without momentum correction and warm-up (the previous release's defaults)")
     p.add_argument("--min-density", type=float, default=1e-3)
     p.add_argument("--max-density", type=float, default=1.0)
     p.add_argument("--target-loss", type=float)
     p.add_argument("--out", help="default: bench/results/time_to_loss.json (preset 14: time_to_loss_14.json)")
     args = p.parse_args()
     if args.out is None:
-        args.out = os.path.join(RESULTS, "time_to_loss%s.json" % ("_14" if args.preset == "14" else ""))
+        args.out = os.path.join(RESULTS, "time_to_loss%s.json" % ("" if args.preset == "13" else "_" + args.preset))
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
@@ -242,9 +288,18 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "settings": vars(args),
-                   "table": table, "runs": runs}, f)
+                   "provenance": provenance(), "table": table, "runs": runs}, f)
     png = plot(runs, table, os.path.splitext(args.out)[0] + ".png")
     print("\nwrote %s%s" % (args.out, (" and " + png) if png else ""))
+    if len(runs) > 1:   # one JSON and one PNG per rate as well
+        for rate in runs:
+            base = "%s_%s" % (os.path.splitext(args.out)[0], rate)
+            with open(base + ".json", "w") as f:
+                json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                           "settings": vars(args), "provenance": provenance(), "rate": rate, "table": table[rate],
+                           "runs": runs[rate]}, f)
+            png = plot({rate: runs[rate]}, {rate: table[rate]}, base + ".png")
+            print("wrote %s.json%s" % (base, (" and " + png) if png else ""))
 
 
 if __name__ == "__main__":
