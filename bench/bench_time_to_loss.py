@@ -68,6 +68,7 @@ MODES = {
     "thc4": ["--mode", "sparse:thc", "--bits", "4"],
     "thc2": ["--mode", "sparse:thc", "--bits", "2"],
     "local8+thc": ["--mode", "local:8:thc", "--bits", "4"],
+    "diloco8+thc": ["--mode", "diloco:8:thc", "--bits", "4"],
     "local8+overlap": ["--mode", "local:8", "--overlap"],
     "diloco8+overlap": ["--mode", "diloco:8", "--overlap"],
     "localadapt": ["--mode", "localadapt"],
@@ -93,7 +94,7 @@ PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communicatio
 }
 TORCH_PEERS = ("ddp", "powersgd", "postlocal8") + TORCHFT
 HAND_PICKED = ("dense",) + FIXED + ("d0.01+singles", "adapt", "adapt+thc", "local8", "diloco8", "local8+sparse", "thc4",
-                                    "thc2", "local8+thc", "local8+overlap", "diloco8+overlap", "localadapt",
+                                    "thc2", "local8+thc", "diloco8+thc", "local8+overlap", "diloco8+overlap", "localadapt",
                                     "localadapt+overlap", "localadapt+thc", "switch", "cpu1")
 STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse", "switch"}
 

@@ -62,7 +62,7 @@ def execute_link_probe(pset, desc, inputs, joined):
         took = round_trip(nbytes)
         if took - latency >= TARGET_S or nbytes >= MAX_BYTES:
             break
-        nbytes *= 8
+        nbytes = min(8 * nbytes, MAX_BYTES)
     moved = allreduce_bytes(nbytes, topo.num_clusters)
     pair = 8.0 * moved / max(took - latency, 1e-6)
     pairs = topo.cluster_size if topo.uniform_clusters else 1   # the shard owners exchange at once

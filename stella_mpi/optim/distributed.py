@@ -20,11 +20,8 @@ the optimizer's own: the parameter names, the bucket hooks, the error-feedback r
 (``_memory``), momentum correction's velocities (``_mc``) and the step count.
 """
 import logging
-import time
 import warnings
 from contextlib import contextmanager
-
-import torch
 
 from ..api.functions import broadcast_object
 from ..api.queries import rank
@@ -126,17 +123,12 @@ class _DistributedOptimizer(BucketedOptimizer):
             planned = plan_by_groups(self._params, groups)
         return [SyncBucket(i, b) for i, b in enumerate(planned)]
 
-    def _install(self, route, outer, reason=None):
+    def _install(self, route, outer):
         """Make ``route`` and ``outer`` the ones of the next step (at a step boundary)."""
         self._route, self._outer = route, outer
         self._use_buckets(getattr(route, "buckets", None) or self._sync_buckets)
         self._start_step()
-        hooked = route.hooked_params() if hasattr(route, "hooked_params") else \
-            (self._params if route.process_set.included() and state.current().size > 1 and route.kind != "adasum"
-             else [])
-        self._hook_parameters(hooked)
-        if reason is not None:
-            self.route_changes.append((self._step_count, self.route, reason))
+        self._hook_parameters(route.hooked_params())
 
     def _user_step(self, closure=None):
         """The user's optimizer's own step."""

@@ -27,6 +27,7 @@ timeline (``ROUTE``).
 """
 import collections
 import dataclasses
+import itertools
 import logging
 import math
 
@@ -64,8 +65,9 @@ route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0
 # and the adjuster's rungs
 AUTO_DENSITY = 0.01
 AUTO_PSEUDO_BITS = 4
+AUTO_OUTER = "nesterov"   # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): ahead of averaging by step 250-400 here
 AUTO_THC_BITS = (2, 4, 8)
-_exchanges = iter(range(1 << 62))   # names each optimizer's pseudo-gradient exchange (same order on every rank)
+_exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchange (same order on every rank)
 
 
 def compose(opt):
@@ -80,6 +82,7 @@ def compose(opt):
         if session is not None:
             route.set_compression(session.compression)
             _budget_warmup(route, session, None)
+            opt._session = session
             opt._tuner = DensityTuner(opt, session)
         if spec.engine.model is not None:
             route.attach(spec.engine.model)
@@ -288,7 +291,7 @@ class ModeSwitch:
         else:   # the automatic route's sparse rungs; 16-bit values where the user asked for fp16/bf16
             value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
             base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
-        ls = spec.local_steps or LocalSteps(every=8, compression=Compression.thc(bits=AUTO_PSEUDO_BITS))
+        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER, compression=Compression.thc(bits=AUTO_PSEUDO_BITS))
         pseudo = ls.compression if ls.compression is not None else Compression.thc(bits=AUTO_PSEUDO_BITS)
         pset = spec.process_set
         probe = probe_link(pset) if automatic and pset.included() and spec.clusters >= 2 else None

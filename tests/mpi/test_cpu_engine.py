@@ -420,3 +420,23 @@ def test_the_previous_releases_keywords_still_work_with_a_warning():
     assert (old._route._staleness, old._route._warmup) == (0, 0)
     with pytest.raises(ValueError, match="pass them to hvd.CpuEngine only"), pytest.warns(DeprecationWarning):
         hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), engine=hvd.CpuEngine(), staleness=0)
+
+
+def test_the_adjuster_tunes_the_engines_density():
+    """hvd.Adjuster with the CPU engine: its session is fed the engine's steps (telemetry from
+    every rank), decides, and every rank applies the same density at the same step."""
+    _skip_uneven()
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: nothing crosses, nothing to adjust")
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(density=0.1),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=model),
+                                   adjuster=hvd.Adjuster(interval=1, window=1, min_density=0.01, max_density=0.5))
+    _run(model, opt, 12, 0)
+    decisions = [(step, d.density) for step, d in opt.adjust_decisions]
+    assert len(decisions) >= 4, decisions
+    assert all(x == decisions for x in hvd.allgather_object(decisions))
+    assert opt._route.compression.density == opt.adjust_decisions[-1][1].density
+    assert hvd.stats()["last_step"]["step_s"] > 0   # the session timed the engine's steps

@@ -35,6 +35,9 @@ class AdasumRoute:
     def launch_in_backward(self):
         return False
 
+    def hooked_params(self):
+        return []   # gradients accumulate until step(): nothing leaves during backward
+
     def grad_ready(self, p):
         """Gradients accumulate until step() (nothing leaves during backward)."""
 

@@ -86,6 +86,10 @@ class SyncRoute:
         """Whether this rank exchanges anything (in the set, more than one rank in the job)."""
         return self.process_set.included() and state.current().size > 1
 
+    def hooked_params(self):
+        """The parameters whose gradient hook hands gradients to this route during backward."""
+        return self.opt._params if self.active else []
+
     def launch_in_backward(self):
         """With ``local_clip`` the buckets leave at synchronize(), once the norm is known."""
         return self.local_clip is None
