@@ -1,7 +1,7 @@
 """DistributedOptimizer and the parameter/state helpers, against single-process references."""
-import warnings
-
 import copy
+import os
+import warnings
 
 import pytest
 import torch
@@ -772,4 +772,74 @@ def test_mode_switch_with_one_cluster_stays_synchronous():
     opt.sync_clusters()
     assert opt.mode == "sync" and opt.mode_switches == [] and opt.adjust_decisions == []
     assert opt.state_dict()["stella_mode"] == {"mode": "sync", "sync_estimate": None}
+    _assert_same_everywhere(model)
+
+
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "checkpoints_0.1.0")
+
+
+def _previous(name):
+    """A checkpoint saved by stella_mpi 0.1.0's own code (tests/data/checkpoints_0.1.0/make.py):
+    {"model": ..., "optimizer": ...} of rank 0 of a 2-cluster job."""
+    return torch.load(os.path.join(CHECKPOINTS, name + ".pt"), weights_only=True)
+
+
+def test_checkpoints_of_the_previous_release_load():
+    """Horovod's resume pattern (every rank loads the file) with checkpoints of 0.1.0's layout:
+    local steps' anchor and outer momentum by name (now the outer SGD's momentum buffers), the
+    mode of the switching optimizer, momentum correction's velocities, the CPU engine's state;
+    each trains on afterwards."""
+    saved = _previous("local_steps_nesterov")
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   local_steps=hvd.LocalSteps(every=3, outer="nesterov"))
+    opt.load_state_dict(saved["optimizer"])
+    old = saved["optimizer"]["stella_local_steps"]
+    assert (opt._outer.progress.exchanges, opt._outer.progress.local_steps) == (old["exchanges"], old["local_steps"])
+    for name, p in model.named_parameters():
+        assert torch.equal(opt._outer.anchor[name], old["anchor"][name])
+        assert torch.equal(opt.outer_optimizer.state[p]["momentum_buffer"], old["momentum"][name])
+    _steps(model, opt, range(4, 7))
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+
+    saved = _previous("sparse_momentum_correction")
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(0.3))
+    opt.load_state_dict(saved["optimizer"])
+    velocity = saved["optimizer"]["stella_momentum_correction"]["velocity"]
+    assert set(opt._mc.velocity) == set(velocity) and all(torch.equal(opt._mc.velocity[n], v)
+                                                          for n, v in velocity.items())
+    _steps(model, opt, range(3, 5))
+    _assert_same_everywhere(model)
+
+    saved = _previous("mode_switch_local")
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = _switching(model, hvd.Compression.fp16)
+    opt.load_state_dict(saved["optimizer"])
+    clusters = hvd.global_process_set.topology.num_clusters
+    assert opt.mode == ("local" if clusters > 1 else "sync")   # (one cluster: nothing to switch)
+    if clusters > 1:
+        assert opt._tuner.rule.sync_estimate.bandwidth_bps == \
+            saved["optimizer"]["stella_mode"]["sync_estimate"]["bandwidth_bps"]
+    _steps(model, opt, range(8, 12))
+    opt.sync_clusters()
+
+    if not hvd.global_process_set.topology.uniform_clusters:
+        return   # (the CPU engine needs clusters of equal size)
+    saved = _previous("cpu_engine")
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(0.5, momentum_correction=True),
+                                   engine=hvd.CpuEngine(staleness=1, warmup=0, model=model))
+    opt.load_state_dict(saved["optimizer"])
+    for p, q in zip(model.parameters(), saved["model"].values()):
+        assert torch.equal(p.detach(), q)   # the master weights are put in the model
+    assert opt._route._steps == saved["optimizer"]["steps"]
+    _steps(model, opt, range(3, 5))
+    opt.drain()
     _assert_same_everywhere(model)
