@@ -434,7 +434,7 @@ def test_the_adjuster_tunes_the_engines_density():
                                    compression=hvd.Compression.topk(density=0.1),
                                    engine=hvd.CpuEngine(staleness=1, warmup=0, model=model),
                                    adjuster=hvd.Adjuster(interval=1, window=1, min_density=0.01, max_density=0.5))
-    _run(model, opt, 12, 0)
+    _run(model, opt, 16, 0)   # (a decision every 3 steps: one telemetry step, two to read it at staleness 1)
     decisions = [(step, d.density) for step, d in opt.adjust_decisions]
     assert len(decisions) >= 4, decisions
     assert all(x == decisions for x in hvd.allgather_object(decisions))
