@@ -70,6 +70,9 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
     # each compressor's defaults; then the previous release's settings
     "cpu1": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],
     "cpu1:topk": ["--compression", "topk", "--engine", "cpu", "--staleness", "1"],
+    "cpu1:nodw": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1", "--density-warmup", "0"],
+    "cpu1:topk:nodw": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--density-warmup", "0"],
+    "cpu1:sw250": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1", "--staleness-warmup", "250"],
     "cpu0:topk:plain": ["--compression", "topk", "--engine", "cpu", "--staleness", "0"] + PLAIN,
     "cpu1:topk:plain": ["--compression", "topk", "--engine", "cpu", "--staleness", "1", "--staleness-warmup", "0"]
     + PLAIN,

@@ -63,7 +63,8 @@ class CpuEngine:
         ahead (the known part of the missing update). None: on with exact semantics.
     warmup: the first ``warmup`` steps run synchronously (staleness 0) before staleness 1.
         None: ``DEFAULT_WARMUP`` steps (with momentum correction, measured within 3 % of dense at
-        equal steps on the byte-level LM: ``bench/bench_parity.py``).
+        equal steps on the byte-level LM: ``bench/bench_parity.py``). They take the place of the
+        compressor's density warm-up, which applies only with ``warmup=0`` or staleness 0.
     model: the model, so that each layer waits only for its own update (forward pre-hooks);
         without it ``step()`` applies every update itself.
     """
