@@ -22,7 +22,8 @@ LAYOUTS = [
     ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL),
     pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
     ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
-    ("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE),
+    pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
+                 marks=pytest.mark.slow),   # gloo runs in np4-2x2-gloo, uneven clusters in np3-uneven-2+1
     ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
     ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
     pytest.param("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST,
@@ -48,8 +49,11 @@ def test_suites_on_layout(name, np_, env, suites):
 
 
 def test_suites_with_interleaved_cluster_labels():
-    """STELLA_CLUSTER labels a,b,a,b: clusters are not blocks of consecutive ranks."""
-    parts = [(1, {"STELLA_CLUSTER": lab}, PYTEST) for lab in ("a", "b", "a", "b")]  # dense and sparse
+    """STELLA_CLUSTER labels a,b,a,b: clusters are not blocks of consecutive ranks. The suites
+    whose routes map ranks to clusters: collectives, the optimizer (automatic route, local steps,
+    mode switch), the sparse route and the CPU engine's shards."""
+    suites = DENSE + ["tests/mpi/test_sparse.py", "tests/mpi/test_cpu_engine.py"]
+    parts = [(1, {"STELLA_CLUSTER": lab}, suites) for lab in ("a", "b", "a", "b")]
     _check(run_mpmd(parts, timeout=400), "labels a,b,a,b")
 
 
