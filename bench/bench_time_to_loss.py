@@ -40,6 +40,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -116,10 +117,19 @@ def run_one(rate, mode, args, tmp):
     if args.plain_sparse and mode in STELLA_SPARSE:
         cmd.append("--plain-sparse")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 300)
+    limit = args.seconds * 2 + 150   # (a run takes its seconds and ~30 s more)
+    # its own session, so that a run past its limit is ended with every rank and helper it started
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _end_group(proc)
+        print(" timed out after %d s" % limit)
+        return {"error": "timed out after %d s: %s" % (limit, ((stdout or "") + (stderr or ""))[-3000:]),
+                "command": " ".join(cmd)}
     if proc.returncode != 0:
         print(" failed")
-        return {"error": (proc.stdout + proc.stderr)[-3000:], "command": " ".join(cmd)}
+        return {"error": (stdout + stderr)[-3000:], "command": " ".join(cmd)}
     with open(out) as f:
         res = json.load(f)
     res["command"] = " ".join(["stellarun"] + cmd[1:])
@@ -130,6 +140,21 @@ def run_one(rate, mode, args, tmp):
     steps = len(res["records"])
     print(" %d steps, held-out loss %.4f" % (steps, res["validation_loss"]), flush=True)
     return res
+
+
+def _end_group(proc):
+    """SIGTERM to the run's process group (stellarun then stops its job and removes its
+    namespaces), SIGKILL 30 s later if it is still there; returns what it wrote."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.communicate()
 
 
 def time_to(curve, target):
@@ -277,13 +302,33 @@ def main():
     p.add_argument("--max-density", type=float, default=1.0)
     p.add_argument("--target-loss", type=float)
     p.add_argument("--out", help="default: bench/results/time_to_loss.json (preset 14: time_to_loss_14.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished runs of an interrupted run of the same settings (OUT.partial.json)")
     args = p.parse_args()
     if args.out is None:
         args.out = os.path.join(RESULTS, "time_to_loss%s.json" % ("" if args.preset == "13" else "_" + args.preset))
+    # every finished run is kept in OUT.partial.json at once; --resume takes the runs it holds
+    # (of the same settings) instead of training them again
+    partial = os.path.splitext(args.out)[0] + ".partial.json"
     runs = {}
+    if args.resume:
+        with open(partial) as f:
+            kept = json.load(f)
+        same = {k: v for k, v in kept["settings"].items() if k not in ("resume",)} == \
+            {k: v for k, v in vars(args).items() if k not in ("resume",)}
+        if not same:
+            raise SystemExit("--resume: %s was written with other settings: %s" % (partial, kept["settings"]))
+        runs = {rate: {m: r for m, r in modes.items() if "error" not in r} for rate, modes in kept["runs"].items()}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
-            runs[rate] = {mode: run_one(rate, mode, args, tmp) for mode in (args.modes or PRESETS[args.preset])}
+            done = runs.setdefault(rate, {})
+            for mode in args.modes or PRESETS[args.preset]:
+                if mode in done:
+                    print("  %s %s ... kept from %s" % (rate, mode, partial))
+                    continue
+                done[mode] = run_one(rate, mode, args, tmp)
+                with open(partial, "w") as f:
+                    json.dump({"settings": vars(args), "runs": runs}, f)
     table = summarize(runs, args.target_loss)
     print_table(table, args.seconds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
