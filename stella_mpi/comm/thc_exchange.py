@@ -29,8 +29,9 @@ from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
 
 
 def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
-    """Sum the CPU float32 vector ``host`` over the clusters on ``comm`` through ``comp``
-    (a THCCompressor), in place; error feedback in ``memory`` unless it is None."""
+    """Sum the float32 vector ``host`` (CPU, or on the device route a GPU's) over the clusters
+    on ``comm`` through ``comp`` (a THCCompressor), in place; error feedback in ``memory``
+    unless it is None."""
     n = host.numel()
     nclusters, me = comm.Get_size(), comm.Get_rank()
     ctx = TensorContext(name=key, step=step, shape=(n,), seed=seed)
@@ -67,6 +68,8 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
         return
     scales = np.ascontiguousarray(scales)
     words = comp.quantize(work, scales, nclusters, me)
+    if isinstance(words, torch.Tensor):   # the device route: only the lanes cross PCIe (pinned)
+        words = route_for(words.device).to_host(words, "thc.words").numpy().view(np.uint64)
     t2 = time.perf_counter()
     started = time.monotonic()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], op=MPI.SUM), "THC lanes of %r" % key)
@@ -97,18 +100,11 @@ def _ranks(hier, comm, kind):
 
 def thc_cross_step(hier, comp, memory, name, step, seed, scale):
     """The ``cross`` of :meth:`.hierarchy.Hierarchy.reduce_across_clusters` for a THC
-    compressor: the piece becomes the sum over clusters times ``scale``. A CUDA piece crosses
-    to the host and back (the kernels and the WAN are the CPU's)."""
+    compressor: the piece becomes the sum over clusters times ``scale``. A CUDA piece stays on
+    its device (compression/device_thc.py, on the route's side stream): the block maxima and the
+    integer lanes are all that cross PCIe, and its residual lives on the device."""
     def cross(piece, comm, kind):
-        key = residual_key(name, kind, hier.topo)
-        if piece.device.type == "cuda":
-            route = route_for(piece.device)
-            host = route.to_host(piece, "thc")
-            thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind)
-            route.to_device(host, out=piece)
-            route.finish()
-        else:
-            thc_reduce(hier, piece, comp, memory, key, step, seed, comm, kind)
+        thc_reduce(hier, piece, comp, memory, residual_key(name, kind, hier.topo), step, seed, comm, kind)
         if scale != 1.0:
             piece.mul_(scale)
     return cross

@@ -15,7 +15,10 @@ step's shard, as on the sparse route.
 Three calls, in order, per shard: :meth:`THCCompressor.begin` (error feedback, rotation, the
 local largest |entry| of each block), :meth:`THCCompressor.quantize` (with the agreed scales: the words to
 sum), :meth:`THCCompressor.finish` (the summed words decoded, validated, rotated back; the
-residual updated). The kernels are c_src/thc.c (numpy references in tests/unit)."""
+residual updated). The kernels are c_src/thc.c (numpy references in tests/unit). A shard on a
+GPU (or any shard under ``STELLA_DEVICE_PATH=torch``) runs the same three calls in torch
+operations on its device (:mod:`.device_thc`, the C kernels' bits): only the block maxima and
+the integer lanes cross PCIe."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +26,8 @@ import torch
 
 from .._native import compress as sparse_kernels
 from .._native import thc as kernels
+from ..base.devices import on_device_route
+from . import device_thc
 from .contracts import Compressor, TensorContext
 
 __all__ = ["THCCompressor", "THCWork"]
@@ -34,12 +39,14 @@ _RANK_SALT = 0x7468632D726F756E   # keeps each rank's rounding draws apart from 
 class THCWork:
     """One shard between the three calls: acc (shard + residual, in the shard's own memory),
     the rotated copy that becomes what this rank sent, and the local largest |entry| of each
-    scale block (float32 numpy)."""
+    scale block (float32 numpy). ``on_device``: the calls run in torch operations
+    (:mod:`.device_thc`) on acc's device, and the words are int64 tensors there."""
     ctx: TensorContext
     acc: torch.Tensor
     rotated: torch.Tensor
     absmax: np.ndarray
     nonfinite: int
+    on_device: bool = False
 
 
 class THCCompressor(Compressor):
@@ -114,23 +121,38 @@ class THCCompressor(Compressor):
         return sparse_kernels.randomk_key(ctx.seed ^ (_RANK_SALT * (rank + 1)), ctx.name + "#thc-rounding", ctx.step)
 
     def begin(self, flat, ctx, memory=None):
-        """acc = flat + residual (in place in ``flat``, a CPU float32 vector); its rotated copy
-        and the largest finite |entry| of each block (NaN/Inf counted, not measured)."""
-        if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
-            raise ValueError("THCCompressor.begin takes a contiguous CPU float32 vector")
+        """acc = flat + residual (in place in ``flat``, a contiguous float32 vector); its rotated
+        copy and the largest finite |entry| of each block (NaN/Inf counted, not measured). A CUDA
+        vector (or any under ``STELLA_DEVICE_PATH=torch``) stays on its device, residual included."""
+        if flat.dtype != torch.float32 or not flat.is_contiguous() or (
+                flat.device.type != "cpu" and not on_device_route(flat)):
+            raise ValueError("THCCompressor.begin takes a contiguous float32 vector on the CPU or a GPU, got %s on %s"
+                             % (flat.dtype, flat.device))
         flat = flat.view(-1)
+        on_device = on_device_route(flat)
         if memory is not None:
-            res = memory.residual(ctx.name, flat.numel(), "cpu")
+            res = memory.residual(ctx.name, flat.numel(), flat.device)
             flat.add_(res)
         rotated = flat.clone()
+        if on_device:
+            if self.rotation:
+                device_thc.rotate(rotated, self.block_log2, self._rotation_key(ctx))
+            absmax, nonfinite = device_thc.block_absmax(rotated, self.block_log2)
+            # the maxima (4 bytes per block) and the count cross to the host: the scale round is MPI's
+            return THCWork(ctx, flat, rotated, absmax.cpu().numpy(), int(nonfinite), True)
         if self.rotation:
             kernels.rotate(rotated, self.block_log2, self._rotation_key(ctx))
         absmax, nonfinite = kernels.block_absmax(rotated, self.block_log2)
         return THCWork(ctx, flat, rotated, absmax, nonfinite)
 
     def quantize(self, work, scales, nclusters, rank):
-        """The words this rank adds (uint64 numpy), with the agreed ``scales`` (one per block);
+        """The words this rank adds (uint64 numpy; on the device route an int64 tensor on the
+        shard's device, the same bits), with the agreed ``scales`` (one per block);
         ``work.rotated`` becomes what it sent."""
+        if work.on_device:
+            return device_thc.quantize(work.rotated, self.bits, torch.from_numpy(scales).to(work.acc.device),
+                                       self._rounding_key(work.ctx, rank), self.lane_bits(nclusters),
+                                       stochastic=self.rounding == "stochastic", scale_log2=self.block_log2)
         return kernels.quantize(work.rotated, self.bits, scales, self._rounding_key(work.ctx, rank),
                                 self.lane_bits(nclusters), stochastic=self.rounding == "stochastic",
                                 scale_log2=self.block_log2)
@@ -138,17 +160,27 @@ class THCCompressor(Compressor):
     def finish(self, work, words, nclusters, scales, memory=None):
         """The sum over clusters, decoded from the summed ``words`` into ``work.acc``'s memory
         (MalformedPayloadError when a lane is out of range), rotated back; the residual becomes
-        acc minus what this rank sent."""
+        acc minus what this rank sent. On the device route ``words`` may be a host array or
+        tensor: it is copied to the device (the lanes are all that cross PCIe)."""
         n = work.acc.numel()
         sent = work.rotated
+        dev = work.on_device
+        rot = device_thc.rotate if dev else kernels.rotate
         if self.rotation:
-            kernels.rotate(sent, self.block_log2, self._rotation_key(work.ctx), inverse=True)
+            rot(sent, self.block_log2, self._rotation_key(work.ctx), inverse=True)
         if memory is not None:
-            torch.sub(work.acc, sent, out=memory.residual(work.ctx.name, n, "cpu"))
-        out = kernels.unpack_sum(words, n, self.bits, nclusters, self.lane_bits(nclusters), scales, out=work.acc,
-                                 scale_log2=self.block_log2)
+            torch.sub(work.acc, sent, out=memory.residual(work.ctx.name, n, work.acc.device))
+        if dev:
+            if isinstance(words, np.ndarray):
+                words = torch.from_numpy(words.view(np.int64))
+            out = device_thc.unpack_sum(words.to(work.acc.device), n, self.bits, nclusters,
+                                        self.lane_bits(nclusters), torch.from_numpy(np.ascontiguousarray(scales)),
+                                        work.acc, scale_log2=self.block_log2)
+        else:
+            out = kernels.unpack_sum(words, n, self.bits, nclusters, self.lane_bits(nclusters), scales,
+                                     out=work.acc, scale_log2=self.block_log2)
         if self.rotation:
-            kernels.rotate(out, self.block_log2, self._rotation_key(work.ctx), inverse=True)
+            rot(out, self.block_log2, self._rotation_key(work.ctx), inverse=True)
         return out
 
     def skip_nonfinite(self, work, memory=None):
@@ -157,5 +189,5 @@ class THCCompressor(Compressor):
         as on the sparse route, no residual keeps this step's values: the residual stays what it
         was (any non-finite entry zeroed, so none stays there forever)."""
         if memory is not None:
-            res = memory.residual(work.ctx.name, work.acc.numel(), "cpu")
+            res = memory.residual(work.ctx.name, work.acc.numel(), work.acc.device)
             torch.where(torch.isfinite(res), res, torch.zeros_like(res), out=res)

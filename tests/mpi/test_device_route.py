@@ -84,12 +84,15 @@ def test_sparse_allreduce_with_error_feedback(device_route, name, value_dtype):
                                _device().type)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_thc_allreduce_with_error_feedback(device_route, bits):
-    """Compression.thc on device tensors: the shard crosses to the host for the C kernels and the
-    WAN and comes back; results and residuals (kept on the host) equal the host route's bits."""
-    _compressed_host_vs_device(device_route, hvd.Compression.thc(bits=bits), "dev.thc.%d" % bits, (5000, 77), 13,
-                               "cpu")
+@pytest.mark.parametrize("bits,error_feedback", [(2, True), (4, True), (4, False)])
+def test_thc_allreduce_with_error_feedback(device_route, bits, error_feedback):
+    """Compression.thc on device tensors: rotation, quantization and decoding run in torch
+    operations on the device (only the block maxima and the lanes cross to the host for the
+    WAN); results and residuals (kept on the device) equal the host route's bits."""
+    # without error feedback THC rounds stochastically: the draws must match too
+    _compressed_host_vs_device(device_route, hvd.Compression.thc(bits=bits, error_feedback=error_feedback),
+                               "dev.thc.%d.%s" % (bits, error_feedback),
+                               (5000, 77, 3 * 1024), 13, _device().type)
 
 
 def _same_runs(host, dev, what):
