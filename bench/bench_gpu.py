@@ -81,6 +81,7 @@ def mlp(width_in, hidden, depth, out=10):
 MODELS = {   # name: (input width, hidden, depth) -> parameters
     "25M": (2048, 4096, 2),     # 2048*4096 + 4096*4096 + heads: 25.2M
     "100M": (4096, 8192, 2),    # 4096*8192 + 8192*8192 + heads: 100.7M
+    "400M": (8192, 16384, 2),   # 8192*16384 + 16384*16384 + heads: 402.8M (only a GPU holds it here)
     "small": (256, 512, 2),     # smoke runs
 }
 
@@ -130,7 +131,7 @@ def worker(args):
         timed steps, none between them: a barrier queues behind the pipeline's work and would
         hide what a pipelined step (CPU engine, staleness 1) still waits for. ``finish`` (the
         CPU engine's wait_updates) runs inside the last step's time, so the last update counts."""
-        times = []
+        times, sent = [], []
         for step in range(steps + 1):
             x, y = data(width, step)
             if step <= 1:
@@ -148,6 +149,8 @@ def worker(args):
             _sync(dev)
             if step:
                 times.append(time.perf_counter() - t0)
+                sent.append(hvd.stats()["last_step"]["wan_bytes_sent"])
+        run_steps.wire_bytes = statistics.median(sent)
         return times
 
     def compute_only(width, hidden, depth, reps=5):
@@ -169,9 +172,15 @@ def worker(args):
     for name in args.models:
         width, hidden, depth = MODELS[name]
         row = {"parameters": sum(p.numel() for p in mlp(width, hidden, depth).parameters())}
-        for mode in ("ddp", "dense", "sparse"):
+        if dev.type == "cuda":
+            row["compute_s"] = compute_only(width, hidden, depth)
+        for mode in args.modes:
+            if mode == "thc" and name not in args.thc_models:
+                continue
             torch.manual_seed(0)
             model = mlp(width, hidden, depth).to(dev)
+            # "dense": Horovod's allreduce across clusters (the automatic route would choose instead)
+            os.environ["STELLA_WAN_ROUTE"] = "dense" if mode == "dense" else "auto"
             if mode == "ddp":
                 if not torch.distributed.is_initialized():
                     init_gloo_world()
@@ -179,44 +188,61 @@ def worker(args):
                 ddp.register_comm_hook(None, paced_allreduce_hook(args.rate))
                 opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
                 times = run_steps(ddp, opt, width, args.steps)
+                wire = row["parameters"] * 4
             else:
-                comp = hvd.Compression.none if mode == "dense" else hvd.Compression.cacheaware(density=args.density)
+                comp = {"dense": hvd.Compression.none, "thc": hvd.Compression.thc(bits=4),
+                        "sparse": hvd.Compression.cacheaware(density=args.density, warmup=0)}[mode]
                 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                                named_parameters=model.named_parameters(), compression=comp)
                 times = run_steps(model, opt, width, args.steps)
+                wire = run_steps.wire_bytes
             worst = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name="bench.%s.%s" % (name, mode))
             row[mode + "_step_s"] = float(worst)
+            row[mode + "_wire_s"] = wire * 8 / args.rate
+            if "compute_s" in row:
+                row[mode + "_vs_max_compute_wire"] = float(worst) / max(row["compute_s"], row[mode + "_wire_s"])
             if hvd.rank() == 0:
-                print("%s %-6s step %.3f s" % (name, mode, float(worst)), flush=True)
-        row["sparse_vs_ddp"] = row["sparse_step_s"] / row["ddp_step_s"]
-        row["dense_vs_ddp"] = row["dense_step_s"] / row["ddp_step_s"]
-        row["sparse_vs_dense"] = row["sparse_step_s"] / row["dense_step_s"]
+                print("%s %-6s step %.3f s  wire %.3f s  compute %s" % (
+                    name, mode, float(worst), row[mode + "_wire_s"],
+                    "%.4f s" % row["compute_s"] if "compute_s" in row else "n/a"), flush=True)
+            del opt, model
+        for a, b in (("sparse", "ddp"), ("dense", "ddp"), ("sparse", "dense"), ("thc", "sparse")):
+            if a + "_step_s" in row and b + "_step_s" in row:
+                row["%s_vs_%s" % (a, b)] = row[a + "_step_s"] / row[b + "_step_s"]
         results["steps"][name] = row
 
-    name = args.models[0]
-    width, hidden, depth = MODELS[name]
-    busy = compute_only(width, hidden, depth) if dev.type == "cuda" else None
-    results["cpu_engine"]["compute_s"] = busy
-    for staleness in (0, 1):
-        torch.manual_seed(0)
-        model = mlp(width, hidden, depth).to(dev)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                       named_parameters=model.named_parameters(),
-                                       engine=hvd.CpuEngine(staleness=staleness, warmup=0, model=model),
-                                       compression=hvd.Compression.cacheaware(density=args.density))
-        times = run_steps(model, opt, width, args.steps, finish=opt.wait_updates)
-        opt.drain()
-        # means, not medians: with staleness 1 the waits fall on some steps only
-        wall = statistics.mean(times)
-        idle = max(0.0, wall - busy) if busy is not None else None
-        results["cpu_engine"]["staleness%d" % staleness] = {"model": name, "step_s": wall, "gpu_idle_s": idle}
-        if hvd.rank() == 0:
-            print("cpu engine staleness %d: step %.3f s, GPU idle %s" % (staleness, wall,
-                  "%.3f s" % idle if idle is not None else "n/a (CPU)"), flush=True)
-    s0, s1 = results["cpu_engine"]["staleness0"], results["cpu_engine"]["staleness1"]
-    results["cpu_engine"]["step_s1_vs_s0"] = s1["step_s"] / s0["step_s"]
-    if s0["gpu_idle_s"] is not None:
-        results["cpu_engine"]["gpu_idle_s1_vs_s0"] = s1["gpu_idle_s"] / max(s0["gpu_idle_s"], 1e-9)
+    def cpu_engine(name):
+        """The CPU engine, staleness 0 against 1, on model ``name`` (warm-up off), and against the
+        synchronous sparse route's step measured above."""
+        width, hidden, depth = MODELS[name]
+        busy = compute_only(width, hidden, depth) if dev.type == "cuda" else None
+        out = results["cpu_engine"].setdefault(name, {"compute_s": busy})
+        for staleness in (0, 1):
+            torch.manual_seed(0)
+            os.environ["STELLA_WAN_ROUTE"] = "auto"
+            model = mlp(width, hidden, depth).to(dev)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                           named_parameters=model.named_parameters(),
+                                           engine=hvd.CpuEngine(staleness=staleness, warmup=0, model=model),
+                                           compression=hvd.Compression.cacheaware(density=args.density, warmup=0))
+            times = run_steps(model, opt, width, args.steps, finish=opt.wait_updates)
+            opt.drain()
+            # means, not medians: with staleness 1 the waits fall on some steps only
+            wall = float(hvd.allreduce(torch.tensor(statistics.mean(times)), op=hvd.Max,
+                                       name="bench.engine.%s.%d" % (name, staleness)))
+            idle = max(0.0, wall - busy) if busy is not None else None
+            out["staleness%d" % staleness] = {"step_s": wall, "gpu_idle_s": idle}
+            if hvd.rank() == 0:
+                print("%s cpu engine staleness %d: step %.3f s, GPU idle %s" % (
+                    name, staleness, wall, "%.3f s" % idle if idle is not None else "n/a (CPU)"), flush=True)
+            del opt, model
+        out["step_s1_vs_s0"] = out["staleness1"]["step_s"] / out["staleness0"]["step_s"]
+        sparse = results["steps"].get(name, {}).get("sparse_step_s")
+        if sparse:
+            out["step_s1_vs_sync_sparse"] = out["staleness1"]["step_s"] / sparse
+
+    for name in args.engine_models:
+        cpu_engine(name)
     if hvd.rank() == 0:
         with open(args.worker_out, "w") as f:
             json.dump(results, f)
@@ -231,20 +257,27 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--models", nargs="+", default=None)
+    p.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
+    p.add_argument("--modes", nargs="+", default=["ddp", "dense", "sparse"], choices=["ddp", "dense", "sparse", "thc"],
+                   help="per-step modes (ddp and dense send every byte: 32 s a step for 100M at 100 Mbit/s)")
+    p.add_argument("--thc-models", nargs="+", default=None, help="models THC runs on (default: all)")
+    p.add_argument("--engine-models", nargs="+", default=None, help="models the CPU engine runs on (default: the first)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.models is None:
         args.models = ["small"] if args.small else ["25M", "100M"]
+    args.thc_models = args.thc_models or args.models
+    args.engine_models = args.engine_models or args.models[:1]
     if args.worker:
         return worker(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_gpu: no CUDA here; run it on a GPU machine (scripts/run_gpu.sh) or use --device cpu --small")
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     sizes = [1 << 16, 1 << 20] if args.small else [1 << 20, 1 << 24, 1 << 26]
-    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    from bench.provenance import provenance
+    out = {"command": " ".join(sys.argv), "provenance": provenance(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rate_bps": args.rate, "density": args.density,
            "selection": selection_throughput(device, sizes)}
     from tests.mpi_launch import mpirun_path   # the environment's mpirun (the mpich wheel's)
@@ -253,7 +286,8 @@ def main():
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [mpirun_path(), "-np", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker",
            "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
-           str(args.density), "--steps", str(args.steps), "--batch", str(args.batch), "--models"] + args.models
+           str(args.density), "--steps", str(args.steps), "--batch", str(args.batch), "--models", *args.models,
+           "--modes", *args.modes, "--thc-models", *args.thc_models, "--engine-models", *args.engine_models]
     subprocess.run(cmd, env=env, check=True, timeout=3000)
     with open(worker_out) as f:
         out.update(json.load(f))

@@ -8,6 +8,7 @@
 #   gpu     pytest -m gpu tests/test_gpu.py (the device-route and NCCL suites under mpirun)
 #   suites  the same suites launched directly, 2 clusters and then 1 cluster staged, one log each
 #   bench   bench/bench_gpu.py with BENCH_ARGS (or this script's arguments)
+#   overhead  bench/bench_overhead.py --device cuda with OVERHEAD_ARGS (the backend's time per route)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -54,7 +55,11 @@ for part in ${PARTS:-gpu bench}; do
             timeout -k 10 "${BENCH_TIMEOUT:-3000}" "$PY" bench/bench_gpu.py --out "$out/gpu.json" ${BENCH_ARGS:-"$@"} \
                 >"$out/gpu_bench.log" 2>&1 || status=1
             echo "== bench: $((SECONDS - t0)) s"; tail -25 "$out/gpu_bench.log" ;;
-        *) echo "run_gpu.sh: unknown part '$part' (setup, gpu, suites, bench)"; exit 2 ;;
+        overhead)
+            timeout -k 10 "${OVERHEAD_TIMEOUT:-1800}" "$PY" bench/bench_overhead.py --device cuda --out "$out/overhead_gpu.json" \
+                ${OVERHEAD_ARGS:-} >"$out/overhead_gpu.log" 2>&1 || status=1
+            echo "== overhead: $((SECONDS - t0)) s"; tail -25 "$out/overhead_gpu.log" ;;
+        *) echo "run_gpu.sh: unknown part '$part' (setup, gpu, suites, bench, overhead)"; exit 2 ;;
     esac
 done
 exit $status

@@ -2,15 +2,22 @@
 import torch
 
 
-def fuse(tensors, outputs, cdt):
+def fuse(tensors, outputs, cdt, scratch=None):
     """(flat buffer in dtype ``cdt``, direct). Direct: one contiguous tensor already in ``cdt``
-    is reduced in its output itself, with no fusion buffer and no copy back."""
+    is reduced in its output itself, with no fusion buffer and no copy back. ``scratch(slot, n,
+    dtype, device)`` (the hierarchy's): the buffer is reused from op to op instead of allocated
+    (a fresh 50 MB CPU buffer costs its page faults on every step: the copy into it measured 5x
+    a memcpy's time, bench/bench_overhead.py)."""
     if len(tensors) == 1 and tensors[0].dtype == cdt and outputs[0].is_contiguous():
         buf = outputs[0].view(-1)
         if outputs[0] is not tensors[0]:
             buf.copy_(tensors[0].reshape(-1))
         return buf, True
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=cdt, device=tensors[0].device)
+    n = sum(t.numel() for t in tensors)
+    if scratch is not None:
+        buf = scratch("fusion", n, cdt, tensors[0].device)
+    else:
+        buf = torch.empty(n, dtype=cdt, device=tensors[0].device)
     if len(tensors) > 8 and all(t.dtype == cdt for t in tensors):   # many small tensors: one kernel
         torch.cat([t.reshape(-1) for t in tensors], out=buf)
         return buf, False

@@ -42,7 +42,7 @@ def execute_allreduce(pset, desc, inputs, joined):
 def _allreduce(pset, desc, tensors, outputs):
     dtype = DTYPES[desc["dtype"]]
     op = desc["op"]
-    buf, direct = fuse(tensors, outputs, compute_dtype(dtype))
+    buf, direct = fuse(tensors, outputs, compute_dtype(dtype), pset.hierarchy.scratch)
     if desc["prescale"] != 1.0:
         scale(buf, desc["prescale"])
     wire = dtype if dtype in (torch.float16, torch.bfloat16) else None   # 16-bit floats cross the WAN at 16 bits

@@ -33,7 +33,7 @@ def _sparse_allreduce(pset, desc, inputs):
     tensors, outputs, comp, memory = inputs
     started = time.perf_counter()
     hier = pset.hierarchy
-    buf, direct = fuse(tensors, outputs, torch.float32)
+    buf, direct = fuse(tensors, outputs, torch.float32, hier.scratch)
     if desc["prescale"] != 1.0:
         buf.mul_(desc["prescale"])
     scale = desc["postscale"] / (pset.nranks if desc["op"] == "average" else 1)
