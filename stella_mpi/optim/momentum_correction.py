@@ -43,6 +43,8 @@ class MomentumCorrectionState:
         self.masking = bool(masking)
         self.velocity = {}   # parameter name -> tensor like the parameter
         self._backup = {}    # parameter name -> velocity before this step (until the step is agreed)
+        self._spare = {}     # parameter name -> a backup tensor no step holds any more (reused: a fresh
+        #                      CPU allocation of a bucket's size costs its page faults every step)
 
     @staticmethod
     def check_group(group, what="momentum_correction"):
@@ -63,7 +65,10 @@ class MomentumCorrectionState:
             self.velocity[name] = u
             self._backup[(name, tag)] = None
         else:
-            self._backup[(name, tag)] = u.clone()
+            backup = self._spare.pop(name, None)
+            if backup is None or backup.shape != u.shape or backup.device != u.device:
+                backup = u.new_empty(u.shape)
+            self._backup[(name, tag)] = backup.copy_(u)
             u.mul_(m).add_(g, alpha=1.0 - damp)
         if group.get("nesterov", False):
             grad.copy_(g.add(u, alpha=m))
@@ -72,8 +77,10 @@ class MomentumCorrectionState:
 
     def applied(self, name, reduced=None, tag=None):
         """The step went through: with masking, zero the velocity where ``reduced`` came back
-        non-zero. The backup of this step is dropped."""
-        self._backup.pop((name, tag), None)
+        non-zero. The backup of this step is dropped (kept for reuse)."""
+        backup = self._backup.pop((name, tag), None)
+        if backup is not None:
+            self._spare[name] = backup
         if self.masking and reduced is not None:
             u = self.velocity.get(name)
             if u is not None:

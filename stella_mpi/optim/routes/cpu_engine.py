@@ -152,19 +152,23 @@ def execute_cpu_update(pset, desc, inputs, joined):
     # what the model gets: the master, or (prediction) the master one zero-gradient step ahead; with
     # momentum correction the velocity is the ranks', so the last update is extrapolated instead:
     # master + momentum * (master - master before this step)
-    if bucket.mc_momentum:
-        if predict:
-            torch.sub(bucket.master, bucket.previous, out=bucket.predicted)
-            bucket.predicted.mul_(bucket.mc_momentum).add_(bucket.master)
-        bucket.previous.copy_(bucket.master)
-        src = bucket.predicted if predict else bucket.master
-    else:
-        src = bucket.sopt.lookahead([bucket.predicted], caught_up=True)[0] if predict else bucket.master
-    t2 = clock()
-    timeline.record("CPU_OPTIMIZER", t1, t2, step=step, entries=int(idx.numel()))
+    staged = bucket.staged[step % 2]
     if bucket.copied[step % 2] is not None:
         bucket.copied[step % 2].synchronize()   # CUDA model: step-2's copy out of this slot has run
-    hier.gather_shards(src, counts, bucket.staged[step % 2])
+    # one rank per cluster: the prediction is written straight into the staging slot (the
+    # all-gather below then copies nothing)
+    predicted = staged if hier.topo.cluster_size == 1 else bucket.predicted
+    if bucket.mc_momentum:
+        if predict:
+            torch.sub(bucket.master, bucket.previous, out=predicted)
+            predicted.mul_(bucket.mc_momentum).add_(bucket.master)
+        bucket.previous.copy_(bucket.master)
+        src = predicted if predict else bucket.master
+    else:
+        src = bucket.sopt.lookahead([predicted], caught_up=True)[0] if predict else bucket.master
+    t2 = clock()
+    timeline.record("CPU_OPTIMIZER", t1, t2, step=step, entries=int(idx.numel()))
+    hier.gather_shards(src, counts, staged)
     t3 = clock()
     hier.stats.add(engine_s=t3 - t0)
     times = bucket.times
@@ -356,9 +360,12 @@ class CpuEngineRoute:
         bucket.staged = [torch.empty(bucket.numel, pin_memory=pinned), torch.empty(bucket.numel, pin_memory=pinned)]
         if pinned:
             bucket.grad_host = [torch.empty(bucket.numel, pin_memory=True), torch.empty(bucket.numel, pin_memory=True)]
+        else:
+            bucket.grad_cat = [torch.empty(bucket.numel), torch.empty(bucket.numel)]
+            bucket.weights_cat = torch.empty(bucket.numel) if bucket.mc_momentum else None
         # with momentum correction the forward's prediction extrapolates the last update by the momentum
         bucket.predicts = self._predict and (bool(bucket.mc_momentum) or bucket.sopt.moves_without_gradient())
-        if bucket.predicts:
+        if bucket.predicts and topo.cluster_size > 1:   # one rank per cluster: predicted into the staging slot
             bucket.predicted = torch.empty_like(bucket.master)
 
     def _predicted_at(self, bucket, step):
@@ -377,10 +384,16 @@ class CpuEngineRoute:
         self._apply_through(bucket, step - 2)
         if bucket.master is None:
             self._init_bucket(bucket)
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                          for p in bucket.params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in bucket.params]
+        if self._cuda is None:
+            # CPU model: fused into this step's slot (the update of step-2, which read it, is
+            # applied), not a fresh buffer: new pages cost their faults on every step
+            grad = torch.cat(grads, out=bucket.grad_cat[step % 2])
+        else:
+            grad = torch.cat(grads)
         if bucket.mc_momentum:
-            weights = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+            weights = torch.cat([p.detach().reshape(-1) for p in bucket.params],
+                                out=bucket.weights_cat if self._cuda is None else None)
             self.opt._mc.transform(bucket.name("cpu_engine.bucket", self.opt._names), weights, grad,
                                self.opt.param_groups[bucket.group_index], tag=step)
         ready = None
