@@ -51,6 +51,7 @@ from ...comm.buffers import split_counts
 from ...comm.sparse_exchange import dense_rung, residual_key, sparse_reduce
 from ...core import state
 from ...core.collective_thread import Op
+from ...core.executors.dense import on_device
 from ..buckets import Bucket, plan_by_size
 from .sync import density_warmup
 from ..sparse_optim import SparseAdam, SparseAdamW, SparseSGD
@@ -124,6 +125,13 @@ def _copy_into_params(flat, params, non_blocking=False):
 def execute_cpu_update(pset, desc, inputs, joined):
     """Collective thread: reduce-scatter, cross-cluster step (sparse or dense), optimizer step,
     all-gather (module docstring)."""
+    grad = inputs[0]
+    if grad.device.type == "cuda":   # selected on the GPU (CpuEngineRoute._selects_on_device)
+        return on_device(pset, grad.device, lambda: _cpu_update(pset, desc, inputs))
+    return _cpu_update(pset, desc, inputs)
+
+
+def _cpu_update(pset, desc, inputs):
     grad, bucket, comp, memory, pool, hparams, catch_up, predict = inputs
     hier = pset.hierarchy
     step, size = desc["step"], pset.nranks
@@ -136,6 +144,8 @@ def execute_cpu_update(pset, desc, inputs, joined):
                                desc["seed"], hier.comms.shard, "shard")
         idx, val = merged.indices, merged.values.mul_(1.0 / size)
     else:
+        if shard.device.type == "cuda":   # (the compressor moved to the dense rung since launch)
+            shard = route_for(shard.device).to_host(shard, "cpu_engine.shard").clone()
         if hier.topo.num_clusters > 1 and comp is not None:   # density 1 (the adjuster's top rung): no indices
             dense_rung(hier, shard, comp, memory if comp.error_feedback else None,
                        residual_key(desc["name"], "shard", hier.topo), hier.comms.shard)
@@ -397,7 +407,15 @@ class CpuEngineRoute:
             self.opt._mc.transform(bucket.name("cpu_engine.bucket", self.opt._names), weights, grad,
                                self.opt.param_groups[bucket.group_index], tag=step)
         ready = None
-        if self._cuda is not None:
+        comp = self._compression
+        if self._cuda is not None and self._selects_on_device(comp):
+            # several clusters, sparse: the gradient stays on the GPU. The collective thread
+            # reduce-scatters it inside the cluster and selects there (comm/sparse_exchange.py's
+            # device route); only the selection crosses PCIe, not the whole gradient
+            route = self._cuda
+            ready = torch.cuda.current_stream(self._device).record_event()
+            grad.record_stream(route.stream)
+        elif self._cuda is not None:
             # device-to-host on the side stream, after the kernels that wrote the gradients; the
             # collective thread waits for this copy only (slot step%2 is free: step-2 is applied)
             route, host = self._cuda, bucket.grad_host[step % 2]
@@ -419,7 +437,6 @@ class CpuEngineRoute:
         desc["predict"] = predict
         if step > 0:   # the updates of one bucket run in step order (ops are matched by name)
             desc["after"] = name + ".step%d" % (step - 1)
-        comp = self._compression
         if comp is not None and self._density_warmup:   # DGC's warm-up, as on the synchronous sparse route
             comp = density_warmup(comp, step, self._density_warmup, self.warmup_cap)
             desc["compressor"] = list(comp.settings())
@@ -429,6 +446,12 @@ class CpuEngineRoute:
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
                                                               execute_cpu_update, self._process_set, finite, ready))
+
+    def _selects_on_device(self, comp):
+        """Whether a CUDA model's gradient is selected on its GPU: several clusters and a sparse
+        compressor below density 1 (the dense rung and one cluster need the whole shard on the host)."""
+        return (comp is not None and getattr(comp, "sparse", False) and comp.density < 1.0
+                and self._process_set.topology.num_clusters > 1)
 
     def grad_ready(self, p):
         if p not in self.opt._bucket_of[p].pending:
