@@ -38,7 +38,7 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     dl = hier.deadline
     grad_sq = float(torch.dot(host, host)) if n else 0.0
     t0 = time.perf_counter()
-    work = comp.begin(host, ctx, memory)
+    work = comp.begin(host, ctx, memory, scratch=hier.scratch("thc.rotated", n, torch.float32, host.device))
     t1 = time.perf_counter()
     # the block maxima, then the NaN flag: one MAX over the clusters, on the float32 bit patterns
     # as int32 (for values >= 0 the same order; integer MAX is exact and associative, so a peer's

@@ -120,10 +120,12 @@ class THCCompressor(Compressor):
     def _rounding_key(self, ctx, rank):
         return sparse_kernels.randomk_key(ctx.seed ^ (_RANK_SALT * (rank + 1)), ctx.name + "#thc-rounding", ctx.step)
 
-    def begin(self, flat, ctx, memory=None):
+    def begin(self, flat, ctx, memory=None, scratch=None):
         """acc = flat + residual (in place in ``flat``, a contiguous float32 vector); its rotated
         copy and the largest finite |entry| of each block (NaN/Inf counted, not measured). A CUDA
-        vector (or any under ``STELLA_DEVICE_PATH=torch``) stays on its device, residual included."""
+        vector (or any under ``STELLA_DEVICE_PATH=torch``) stays on its device, residual included.
+        ``scratch``: a float32 vector of flat's size and device to hold the rotated copy until
+        :meth:`finish` (the caller's, reused from call to call: a fresh one costs its page faults)."""
         if flat.dtype != torch.float32 or not flat.is_contiguous() or (
                 flat.device.type != "cpu" and not on_device_route(flat)):
             raise ValueError("THCCompressor.begin takes a contiguous float32 vector on the CPU or a GPU, got %s on %s"
@@ -133,7 +135,14 @@ class THCCompressor(Compressor):
         if memory is not None:
             res = memory.residual(ctx.name, flat.numel(), flat.device)
             flat.add_(res)
-        rotated = flat.clone()
+        if scratch is not None:
+            if scratch.numel() != flat.numel() or scratch.device != flat.device or scratch.dtype != torch.float32:
+                raise ValueError("THCCompressor.begin: the scratch vector (%d %s on %s) does not match the shard "
+                                 "(%d float32 on %s)" % (scratch.numel(), scratch.dtype, scratch.device, flat.numel(),
+                                                         flat.device))
+            rotated = scratch.view(-1).copy_(flat)
+        else:
+            rotated = flat.clone()
         if on_device:
             if self.rotation:
                 device_thc.rotate(rotated, self.block_log2, self._rotation_key(ctx))
