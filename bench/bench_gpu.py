@@ -111,6 +111,9 @@ def paced_allreduce_hook(bps):
     return hook
 
 
+PARTS = ("select_s", "encode_s", "exchange_s", "decode_s", "merge_s", "engine_s")
+
+
 def worker(args):
     import stella_mpi as hvd
     from bench.baseline_dist import init_gloo_world
@@ -131,7 +134,7 @@ def worker(args):
         timed steps, none between them: a barrier queues behind the pipeline's work and would
         hide what a pipelined step (CPU engine, staleness 1) still waits for. ``finish`` (the
         CPU engine's wait_updates) runs inside the last step's time, so the last update counts."""
-        times, sent = [], []
+        times, sent, parts = [], [], []
         for step in range(steps + 1):
             x, y = data(width, step)
             if step <= 1:
@@ -149,8 +152,12 @@ def worker(args):
             _sync(dev)
             if step:
                 times.append(time.perf_counter() - t0)
-                sent.append(hvd.stats()["last_step"]["wan_bytes_sent"])
+                last = hvd.stats()["last_step"]
+                sent.append(last["wan_bytes_sent"])
+                parts.append({k: last.get(k, 0.0) for k in PARTS})
         run_steps.wire_bytes = statistics.median(sent)
+        # where a step's backend time went (the collective thread's counters, median per part)
+        run_steps.parts = {k: statistics.median(p[k] for p in parts) for k in PARTS} if parts else {}
         return times
 
     def compute_only(width, hidden, depth, reps=5):
@@ -199,12 +206,16 @@ def worker(args):
             worst = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name="bench.%s.%s" % (name, mode))
             row[mode + "_step_s"] = float(worst)
             row[mode + "_wire_s"] = wire * 8 / args.rate
+            if mode != "ddp":
+                row[mode + "_parts_s"] = run_steps.parts
             if "compute_s" in row:
                 row[mode + "_vs_max_compute_wire"] = float(worst) / max(row["compute_s"], row[mode + "_wire_s"])
             if hvd.rank() == 0:
-                print("%s %-6s step %.3f s  wire %.3f s  compute %s" % (
+                print("%s %-6s step %.3f s  wire %.3f s  compute %s  %s" % (
                     name, mode, float(worst), row[mode + "_wire_s"],
-                    "%.4f s" % row["compute_s"] if "compute_s" in row else "n/a"), flush=True)
+                    "%.4f s" % row["compute_s"] if "compute_s" in row else "n/a",
+                    " ".join("%s %.1f ms" % (k[:-2], 1e3 * v) for k, v in row.get(mode + "_parts_s", {}).items())),
+                      flush=True)
             del opt, model
         for a, b in (("sparse", "ddp"), ("dense", "ddp"), ("sparse", "dense"), ("thc", "sparse")):
             if a + "_step_s" in row and b + "_step_s" in row:
@@ -231,7 +242,8 @@ def worker(args):
             wall = float(hvd.allreduce(torch.tensor(statistics.mean(times)), op=hvd.Max,
                                        name="bench.engine.%s.%d" % (name, staleness)))
             idle = max(0.0, wall - busy) if busy is not None else None
-            out["staleness%d" % staleness] = {"step_s": wall, "gpu_idle_s": idle}
+            out["staleness%d" % staleness] = {"step_s": wall, "gpu_idle_s": idle, "parts_s": run_steps.parts,
+                                              "engine_times": opt.engine_times()}
             if hvd.rank() == 0:
                 print("%s cpu engine staleness %d: step %.3f s, GPU idle %s" % (
                     name, staleness, wall, "%.3f s" % idle if idle is not None else "n/a (CPU)"), flush=True)
