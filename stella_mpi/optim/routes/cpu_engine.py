@@ -14,12 +14,17 @@ The training thread copies a staged update into the model's parameters itself, i
 forward pre-hook of the module that owns them, so a forward never sees a half-applied
 update.
 
-CUDA models (StellaTrain's pipeline): the gradient of a bucket goes device-to-host into a pinned
-buffer on the device's side stream as soon as its hook fires (the collective thread waits for
-that copy, not for backward); the master, the optimizer and the exchange stay on the CPU; an
-update goes back host-to-device on the side stream, queued in ``step()`` when it is already done
-(else in the pre-hook), and each module's forward pre-hook makes the compute stream wait only for
-its own buckets' copies. A pinned staging slot is written again only after its copy has run. Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
+CUDA models (StellaTrain's pipeline): with several clusters and a sparse compressor the gradient
+of a bucket stays on the GPU, where the collective thread reduce-scatters it inside the cluster
+and selects from it with error feedback (on the device's side stream), so only the selection
+crosses PCIe; otherwise (one cluster, the dense rung) it goes device-to-host into a pinned buffer
+on that stream as soon as its hook fires (the collective thread waits for that copy, not for
+backward). The master, the optimizer and the exchange stay on the CPU. An update goes back
+host-to-device on a copy stream of its own, queued in ``step()`` when it is already done (else in
+the pre-hook), and each module's forward pre-hook makes the compute stream wait only for its own
+buckets' copies. A pinned staging slot is written again only after its copy has run.
+
+Staleness s: the forward after t steps needs the updates of steps 0..t-1-s. With
 s = 1 the update of step t runs while step t+1 computes; with s = 0 ``step()`` waits.
 Exactly the required update is applied (not a newer one that happens to be ready), so
 every rank computes with the same parameters.
@@ -45,7 +50,7 @@ from ...api.handles import synchronize
 from ...api.handles import poll
 from ...api.queries import rank
 from ...base import timeline
-from ...base.devices import one_device, route_for
+from ...base.devices import DeviceRoute, one_device, route_for
 from ...base.errors import HorovodInternalError, NonFiniteGradientError
 from ...comm.buffers import split_counts
 from ...comm.sparse_exchange import dense_rung, residual_key, sparse_reduce
@@ -233,6 +238,9 @@ class CpuEngineRoute:
         self._device = one_device(flat_params, "engine='cpu'", [opt._names[p] for p in flat_params]) \
             if flat_params else torch.device("cpu")
         self._cuda = route_for(self._device) if self._device.type == "cuda" else None
+        # the updates' copies into the parameters get a stream of their own: on the collective
+        # thread's side stream they would queue behind the next step's selection kernels
+        self._copies = DeviceRoute(self._device) if self._cuda is not None else None
         rt = state.current()
         # the pool first: if its cores are refused, no hook is left on the model's parameters
         self._pool = CpuPool.for_rank(process_set.topology.local_rank, process_set.topology.local_size)
@@ -295,12 +303,12 @@ class CpuEngineRoute:
 
     def _copy_update(self, bucket, slot):
         """Put staged update ``slot`` into the parameters: a plain copy on the CPU; for a CUDA
-        model, host-to-device on the side stream after what the compute stream has queued so far
+        model, host-to-device on the copy stream after what the compute stream has queued so far
         (the parameters' last readers), with events for the slot and for the forward."""
         if self._cuda is None:
             _copy_into_params(bucket.staged[slot], bucket.params)
             return
-        route = self._cuda
+        route = self._copies
         route.after(torch.cuda.current_stream(self._device).record_event())
         with route.context():
             _copy_into_params(bucket.staged[slot], bucket.params, non_blocking=True)
