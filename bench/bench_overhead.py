@@ -23,6 +23,8 @@ Reported per route and size, against two floors measured in the same run:
 CUDA ``thc-host`` (the previous route, kept here for comparison only: the shard crosses to the
 host for the C kernels and back), ``cpu-engine`` (staleness 1, cache-aware, CpuEngine's C
 optimizer on the host; wait_updates() inside the last step's time).
+``BENCH_OVERHEAD_DEBUG=1`` prints rank 0's ``hvd.stats()["last_step"]`` after every timed step
+(select, encode, exchange, decode, merge and engine seconds).
 """
 import argparse
 import json
