@@ -3,7 +3,26 @@
 the runner itself never initializes MPI."""
 import os
 import sys
+import time
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 collect_ignore = [] if os.environ.get("STELLA_MPI_SUITE") == "1" else ["mpi"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mpich_files_left():
+    """Jobs that tests end on purpose (a killed rank, a deadline, a timeout) leave MPICH's
+    shared-memory segments (/dev/shm/mpich_shm_*, a few MB each) and hydra's topology files
+    (/tmp/hydra_hwloc_xmlfile_*) behind; stellarun removes its own, plain mpirun does not. At the
+    end of the run, those created during it that no running process uses are removed (25 after
+    tests/test_faults.py and tests/test_stall_inspector.py alone)."""
+    started = time.time()
+    yield
+    if os.environ.get("STELLA_MPI_SUITE") == "1":   # inside the ranks of a launched suite: the runner's job
+        return
+    from stellarun import leftovers
+    made = leftovers.candidates(since=started - 1)
+    leftovers.remove_after_job(set(made), since=started - 1, settle_s=5.0)
