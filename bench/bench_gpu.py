@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -292,7 +291,7 @@ def main():
     out = {"command": " ".join(sys.argv), "provenance": provenance(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rate_bps": args.rate, "density": args.density,
            "selection": selection_throughput(device, sizes)}
-    from tests.mpi_launch import mpirun_path   # the environment's mpirun (the mpich wheel's)
+    from tests.mpi_launch import mpirun_path, run_job   # the environment's mpirun; no MPICH files left behind
     worker_out = args.out + ".worker"
     env = dict(os.environ, STELLA_CLUSTERS="2", STELLA_WAN_PACE_BPS=str(args.rate), OMP_NUM_THREADS="2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -300,7 +299,7 @@ def main():
            "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
            str(args.density), "--steps", str(args.steps), "--batch", str(args.batch), "--models", *args.models,
            "--modes", *args.modes, "--thc-models", *args.thc_models, "--engine-models", *args.engine_models]
-    subprocess.run(cmd, env=env, check=True, timeout=3000)
+    run_job(cmd, 3000, env=env, check=True)
     with open(worker_out) as f:
         out.update(json.load(f))
     os.remove(worker_out)

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -208,7 +207,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_overhead: no CUDA here; use --device cpu, or run it on a GPU machine")
     from bench.provenance import provenance
-    from tests.mpi_launch import mpirun_path
+    from tests.mpi_launch import mpirun_path, run_job   # (run_job: no MPICH files left behind)
     threads = args.threads or max(1, (os.cpu_count() or 2) // 2)
     worker_out = args.out + ".worker"
     env = dict(os.environ, STELLA_CLUSTERS="2", STELLA_WAN_PACE_BPS=str(args.rate), OMP_NUM_THREADS=str(threads),
@@ -216,7 +215,7 @@ def main():
     cmd = [mpirun_path(), "-np", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker",
            "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
            str(args.density), "--steps", str(args.steps), "--sizes", *args.sizes, "--routes", *args.routes]
-    subprocess.run(cmd, env=env, check=True, timeout=3600)
+    run_job(cmd, 3600, env=env, check=True)
     with open(worker_out) as f:
         rows = json.load(f)
     os.remove(worker_out)

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -70,6 +69,8 @@ def main():
         return worker(args)
     os.makedirs(RESULTS, exist_ok=True)
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tests.mpi_launch import run_job
     rows = {}
     for c in args.clusters:
         out = os.path.join(RESULTS, ".thc_bytes_%d.json" % c)
@@ -77,7 +78,7 @@ def main():
                sys.executable, os.path.abspath(__file__),
                "--worker", "--numel", str(args.numel), "--steps", str(args.steps), "--out", out]
         print("%d clusters ..." % c, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = run_job(cmd, 1800, capture_output=True, text=True)   # (no MPICH files left behind)
         if proc.returncode != 0:
             sys.exit("%d clusters failed:\n%s" % (c, (proc.stdout + proc.stderr)[-3000:]))
         with open(out) as f:

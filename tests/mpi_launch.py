@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -12,6 +13,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def mpirun_path():
     here = os.path.join(os.path.dirname(sys.executable), "mpirun")
     return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+def run_job(cmd, timeout, **kwargs):
+    """``subprocess.run(cmd, timeout=timeout, **kwargs)`` for an MPI job started with plain
+    mpirun, then what stellarun does after a job: MPICH's shared-memory segments and hydra's
+    topology files created meanwhile that no running process uses are removed (a job that ends
+    badly leaves them: a killed rank never unlinks its segment). The CompletedProcess carries
+    the removed paths as ``leftovers_removed``; a timeout is raised after the clean-up."""
+    from stellarun import leftovers
+    since = time.time() - 1
+    proc = None
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, **kwargs)
+        return proc
+    finally:
+        made = leftovers.candidates(since=since)
+        removed = leftovers.remove_after_job(set(made), since=since)
+        if proc is not None:
+            proc.leftovers_removed = removed
 
 
 def _job_env(extra):
@@ -36,7 +56,7 @@ def run_mpi(np_, args, env=None, timeout=240, cwd=ROOT):
     full_env = _job_env(env)
     cmd = [launcher, "-np", str(np_), sys.executable, "-m", "mpi4py"] + list(args)
     try:
-        return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        return run_job(cmd, timeout, env=full_env, cwd=cwd, capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -59,7 +79,7 @@ def run_mpmd(parts, timeout=240, env=None):
             cmd += ["-env", k, v]
         cmd += [sys.executable, "-m", "mpi4py"] + list(args)
     full_env = _job_env(env)
-    return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_job(cmd, timeout, env=full_env, cwd=ROOT, capture_output=True, text=True)
 
 
 def tagged_processes(var, value):

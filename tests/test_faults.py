@@ -6,14 +6,13 @@ import time
 
 import pytest
 
-from mpi_launch import ROOT, mpirun_path
+from mpi_launch import ROOT, mpirun_path, run_job
 
 pytestmark = pytest.mark.mpi
 
 
 def _launch(mode, timeout_env="60", as_module=False, env=None):
     import os
-    import subprocess
     env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2", **(env or {}))
     launcher = mpirun_path()
     if launcher is None:
@@ -21,7 +20,7 @@ def _launch(mode, timeout_env="60", as_module=False, env=None):
     cmd = [launcher, "-np", "4", sys.executable] + (["-m", "mpi4py"] if as_module else []) + \
         ["tests/scripts/faulty_rank.py", mode]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_job(cmd, 120, env=env, cwd=ROOT, capture_output=True, text=True)
     return proc, time.monotonic() - t0
 
 
@@ -35,6 +34,19 @@ def test_uncaught_exception_ends_job(as_module):
     if not as_module:
         assert "rank 1 raised an uncaught RuntimeError" in out
     assert "finished without noticing" not in out
+
+
+def test_a_killed_rank_leaves_no_mpich_files():
+    """A rank killed by SIGKILL never unlinks MPICH's shared-memory segment, and plain mpirun
+    leaves it behind: the test launcher, like stellarun, removes what the job made that no
+    running process uses."""
+    from stellarun import leftovers
+    since = time.time() - 1
+    proc, _ = _launch("kill")
+    assert proc.returncode != 0
+    assert any(p.startswith("/dev/shm/mpich_shm_") for p in proc.leftovers_removed), proc.leftovers_removed
+    left = set(leftovers.candidates(since=since)) - leftovers.in_use()
+    assert not left, "MPICH files left: %s" % sorted(left)
 
 
 def test_dead_rank_ends_job():
