@@ -17,4 +17,14 @@ if command -v cmake >/dev/null; then
 else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
 fi
+started=$(date +%s)
 python -m pytest -q -m "not slow" "$@"
+# nothing left behind: no MPICH segment or hydra topology file made during the run stays unused
+python - "$started" <<'EOF'
+import sys
+from stellarun import leftovers
+left = set(leftovers.candidates(since=float(sys.argv[1]) - 1)) - leftovers.in_use()
+if left:
+    sys.exit("run_tests.sh: the test run left MPICH files behind: %s" % ", ".join(sorted(left)))
+print("run_tests.sh: no MPICH files left behind")
+EOF
