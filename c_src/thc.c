@@ -211,28 +211,15 @@ static void quantize_run(float *x, int64_t first, int64_t last, const float *sca
         int64_t stop = block_end(i, scale_log2, last);
         float inv, step;
         block_factors(scales[i >> scale_log2], L, &inv, &step);
-        if (stochastic) {
-            for (; i < stop; i++) {
-                float t = x[i] * inv;
-                t = t + draw(key, i);
-                t = t > hi ? hi : (t < lo ? lo : t);   /* clamp first, so the cast below is defined */
-                int q = (int)t;                          /* floor(t): truncation and a correction */
-                q -= (float)q > t;
-                q = q > L ? L : (q < -L ? -L : q);
-                x[i] = (float)q * step;
-                lv[i - first] = (uint8_t)(q + L);
-            }
-        } else {
-            for (; i < stop; i++) {
-                float t = x[i] * inv;
-                t = t + 0.5f;
-                t = t > hi ? hi : (t < lo ? lo : t);
-                int q = (int)t;
-                q -= (float)q > t;
-                q = q > L ? L : (q < -L ? -L : q);
-                x[i] = (float)q * step;
-                lv[i - first] = (uint8_t)(q + L);
-            }
+        for (; i < stop; i++) {   /* (GCC unswitches the loop on stochastic: nearest vectorizes) */
+            float t = x[i] * inv;
+            t = t + (stochastic ? draw(key, i) : 0.5f);
+            t = t > hi ? hi : (t < lo ? lo : t);   /* clamp first, so the cast below is defined */
+            int q = (int)t;                          /* floor(t): truncation and a correction */
+            q -= (float)q > t;
+            q = q > L ? L : (q < -L ? -L : q);
+            x[i] = (float)q * step;
+            lv[i - first] = (uint8_t)(q + L);
         }
     }
 }
