@@ -126,8 +126,7 @@ class THCCompressor(Compressor):
         vector (or any under ``STELLA_DEVICE_PATH=torch``) stays on its device, residual included.
         ``scratch``: a float32 vector of flat's size and device to hold the rotated copy until
         :meth:`finish` (the caller's, reused from call to call: a fresh one costs its page faults)."""
-        if flat.dtype != torch.float32 or not flat.is_contiguous() or (
-                flat.device.type != "cpu" and not on_device_route(flat)):
+        if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type not in ("cpu", "cuda"):
             raise ValueError("THCCompressor.begin takes a contiguous float32 vector on the CPU or a GPU, got %s on %s"
                              % (flat.dtype, flat.device))
         flat = flat.view(-1)
@@ -170,7 +169,7 @@ class THCCompressor(Compressor):
         """The sum over clusters, decoded from the summed ``words`` into ``work.acc``'s memory
         (MalformedPayloadError when a lane is out of range), rotated back; the residual becomes
         acc minus what this rank sent. On the device route ``words`` may be a host array or
-        tensor: it is copied to the device (the lanes are all that cross PCIe)."""
+        tensor: unpack_sum copies it to the device (the lanes are all that cross PCIe)."""
         n = work.acc.numel()
         sent = work.rotated
         dev = work.on_device
@@ -182,7 +181,7 @@ class THCCompressor(Compressor):
         if dev:
             if isinstance(words, np.ndarray):
                 words = torch.from_numpy(words.view(np.int64))
-            out = device_thc.unpack_sum(words.to(work.acc.device), n, self.bits, nclusters,
+            out = device_thc.unpack_sum(words, n, self.bits, nclusters,
                                         self.lane_bits(nclusters), torch.from_numpy(np.ascontiguousarray(scales)),
                                         work.acc, scale_log2=self.block_log2)
         else:
