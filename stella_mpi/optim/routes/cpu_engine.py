@@ -127,11 +127,17 @@ def _copy_into_params(flat, params, non_blocking=False):
             off += n
 
 
+def _sparse_across(comp, nclusters):
+    """Whether the update's cross-cluster step selects (several clusters, density below 1): then
+    a CUDA model's gradient is selected on its GPU, else the whole shard goes to the host."""
+    return nclusters > 1 and comp is not None and comp.density < 1.0
+
+
 def execute_cpu_update(pset, desc, inputs, joined):
     """Collective thread: reduce-scatter, cross-cluster step (sparse or dense), optimizer step,
     all-gather (module docstring)."""
     grad = inputs[0]
-    if grad.device.type == "cuda":   # selected on the GPU (CpuEngineRoute._selects_on_device)
+    if grad.device.type == "cuda":   # to be selected on the GPU (_sparse_across)
         return on_device(pset, grad.device, lambda: _cpu_update(pset, desc, inputs))
     return _cpu_update(pset, desc, inputs)
 
@@ -144,13 +150,11 @@ def _cpu_update(pset, desc, inputs):
     clock = time.perf_counter
     t0 = clock()
     shard, _ = hier.cluster_shard(grad, "sum", counts)
-    if hier.topo.num_clusters > 1 and comp is not None and comp.density < 1.0:
+    if _sparse_across(comp, hier.topo.num_clusters):
         merged = sparse_reduce(hier, shard, comp, memory if comp.error_feedback else None, desc["name"], step,
                                desc["seed"], hier.comms.shard, "shard")
         idx, val = merged.indices, merged.values.mul_(1.0 / size)
     else:
-        if shard.device.type == "cuda":   # (the compressor moved to the dense rung since launch)
-            shard = route_for(shard.device).to_host(shard, "cpu_engine.shard").clone()
         if hier.topo.num_clusters > 1 and comp is not None:   # density 1 (the adjuster's top rung): no indices
             dense_rung(hier, shard, comp, memory if comp.error_feedback else None,
                        residual_key(desc["name"], "shard", hier.topo), hier.comms.shard)
@@ -415,8 +419,10 @@ class CpuEngineRoute:
             self.opt._mc.transform(bucket.name("cpu_engine.bucket", self.opt._names), weights, grad,
                                self.opt.param_groups[bucket.group_index], tag=step)
         ready = None
-        comp = self._compression
-        if self._cuda is not None and self._selects_on_device(comp):
+        comp = warmed = self._compression
+        if comp is not None and self._density_warmup:   # DGC's warm-up, as on the synchronous sparse route
+            warmed = density_warmup(comp, step, self._density_warmup, self.warmup_cap)
+        if self._cuda is not None and _sparse_across(warmed, self._process_set.topology.num_clusters):
             # several clusters, sparse: the gradient stays on the GPU. The collective thread
             # reduce-scatters it inside the cluster and selects there (comm/sparse_exchange.py's
             # device route); only the selection crosses PCIe, not the whole gradient
@@ -437,7 +443,7 @@ class CpuEngineRoute:
         name = bucket.name("cpu_engine.bucket", self.opt._names)
         desc = {"kind": "cpu_update", "name": name, "dtype": "float32", "shapes": [list(s) for s, _, _ in bucket.shapes],
                 "op": "average", "step": step, "seed": rt.config.seed, "staleness": self._staleness,
-                "compressor": list(self._compression.settings()) if self._compression else ["none"]}
+                "compressor": list(warmed.settings()) if warmed else ["none"]}
         hparams = _hparams_of(self.opt._spec.base, self.opt.param_groups[bucket.group_index], bool(bucket.mc_momentum))
         # the update of step t is first read by the forward of step t+1 (synchronous) or t+2 (stale):
         # predicted weights only for the stale case
@@ -445,21 +451,12 @@ class CpuEngineRoute:
         desc["predict"] = predict
         if step > 0:   # the updates of one bucket run in step order (ops are matched by name)
             desc["after"] = name + ".step%d" % (step - 1)
-        if comp is not None and self._density_warmup:   # DGC's warm-up, as on the synchronous sparse route
-            comp = density_warmup(comp, step, self._density_warmup, self.warmup_cap)
-            desc["compressor"] = list(comp.settings())
-            if self.opt._session is not None and comp is not self._compression:
-                self.opt._session.note_density(step, comp.density)
-        inputs = (grad, bucket, comp, self.opt._memory, self._pool, hparams, self._semantics == "exact", predict)
+        if warmed is not comp and self.opt._session is not None:
+            self.opt._session.note_density(step, warmed.density)
+        inputs = (grad, bucket, warmed, self.opt._memory, self._pool, hparams, self._semantics == "exact", predict)
         finite = [grad] if rt.config.nonfinite != "off" else None
         bucket.handles[step] = rt.collective_thread.submit(Op("cpu_update", name + ".step%d" % step, desc, inputs,
                                                               execute_cpu_update, self._process_set, finite, ready))
-
-    def _selects_on_device(self, comp):
-        """Whether a CUDA model's gradient is selected on its GPU: several clusters and a sparse
-        compressor below density 1 (the dense rung and one cluster need the whole shard on the host)."""
-        return (comp is not None and getattr(comp, "sparse", False) and comp.density < 1.0
-                and self._process_set.topology.num_clusters > 1)
 
     def grad_ready(self, p):
         if p not in self.opt._bucket_of[p].pending:
