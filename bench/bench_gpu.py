@@ -291,18 +291,11 @@ def main():
     out = {"command": " ".join(sys.argv), "provenance": provenance(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rate_bps": args.rate, "density": args.density,
            "selection": selection_throughput(device, sizes)}
-    from tests.mpi_launch import mpirun_path, run_job   # the environment's mpirun; no MPICH files left behind
-    worker_out = args.out + ".worker"
-    env = dict(os.environ, STELLA_CLUSTERS="2", STELLA_WAN_PACE_BPS=str(args.rate), OMP_NUM_THREADS="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [mpirun_path(), "-np", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker",
-           "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
-           str(args.density), "--steps", str(args.steps), "--batch", str(args.batch), "--models", *args.models,
-           "--modes", *args.modes, "--thc-models", *args.thc_models, "--engine-models", *args.engine_models]
-    run_job(cmd, 3000, env=env, check=True)
-    with open(worker_out) as f:
-        out.update(json.load(f))
-    os.remove(worker_out)
+    from bench.two_clusters import run_two_clusters
+    out.update(run_two_clusters(__file__, [
+        "--device", args.device, "--rate", args.rate, "--density", args.density, "--steps", args.steps,
+        "--batch", args.batch, "--models", *args.models, "--modes", *args.modes, "--thc-models", *args.thc_models,
+        "--engine-models", *args.engine_models], args.rate, threads=2, timeout=3000))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

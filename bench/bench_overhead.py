@@ -207,18 +207,11 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_overhead: no CUDA here; use --device cpu, or run it on a GPU machine")
     from bench.provenance import provenance
-    from tests.mpi_launch import mpirun_path, run_job   # (run_job: no MPICH files left behind)
+    from bench.two_clusters import run_two_clusters
     threads = args.threads or max(1, (os.cpu_count() or 2) // 2)
-    worker_out = args.out + ".worker"
-    env = dict(os.environ, STELLA_CLUSTERS="2", STELLA_WAN_PACE_BPS=str(args.rate), OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [mpirun_path(), "-np", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker",
-           "--worker-out", worker_out, "--device", args.device, "--rate", str(args.rate), "--density",
-           str(args.density), "--steps", str(args.steps), "--sizes", *args.sizes, "--routes", *args.routes]
-    run_job(cmd, 3600, env=env, check=True)
-    with open(worker_out) as f:
-        rows = json.load(f)
-    os.remove(worker_out)
+    rows = run_two_clusters(__file__, ["--device", args.device, "--rate", args.rate, "--density", args.density,
+                                       "--steps", args.steps, "--sizes", *args.sizes, "--routes", *args.routes],
+                            args.rate, threads, timeout=3600)
     out = {"command": " ".join(["bench/bench_overhead.py"] + sys.argv[1:]), "provenance": provenance(),
            "rate_bps": args.rate, "density": args.density, "threads_per_rank": threads, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
