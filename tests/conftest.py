@@ -16,9 +16,10 @@ collect_ignore = [] if os.environ.get("STELLA_MPI_SUITE") == "1" else ["mpi"]
 def _no_mpich_files_left():
     """Jobs that tests end on purpose (a killed rank, a deadline, a timeout) leave MPICH's
     shared-memory segments (/dev/shm/mpich_shm_*, a few MB each) and hydra's topology files
-    (/tmp/hydra_hwloc_xmlfile_*) behind; stellarun removes its own, plain mpirun does not. At the
-    end of the run, those created during it that no running process uses are removed (25 after
-    tests/test_faults.py and tests/test_stall_inspector.py alone)."""
+    (/tmp/hydra_hwloc_xmlfile_*) behind. stellarun and mpi_launch.run_job remove those of their
+    own jobs; this net removes, at the end of the run, those created during it that no running
+    process uses and that some other launch path left (one segment and one topology file after
+    test_faults, test_stall_inspector, test_stellarun_failures and test_elastic)."""
     started = time.time()
     yield
     if os.environ.get("STELLA_MPI_SUITE") == "1":   # inside the ranks of a launched suite: the runner's job
