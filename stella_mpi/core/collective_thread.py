@@ -440,8 +440,12 @@ class CollectiveThread:
     def _fail_named(self, op, exc, pending, join_op):
         """The named loop's form of :meth:`_fail_everything`: the op that failed (or the round),
         every pending op and the join fail, then every queued and later submission."""
-        if op is None:
-            op = Op("negotiation", "negotiation round", {"kind": "negotiation round", "name": ""}, (), None, None)
+        if op is None:   # the round itself: name what this rank was negotiating
+            waiting = sorted(repr(key[1]) for key in pending)
+            what = "negotiation round (%s)" % ("this rank waited for %s" % ", ".join(waiting[:6]) +
+                                               (" and %d more" % (len(waiting) - 6) if len(waiting) > 6 else "")
+                                               if waiting else "nothing pending on this rank")
+            op = Op("negotiation", "negotiation round", {"kind": what}, (), None, None)
             op.handle = Handle(op.name)
         self._fail_everything(op, exc)
         for p in pending.values():

@@ -53,7 +53,7 @@ def describe(desc):
     """One line naming a collective for error messages."""
     if desc is None:
         return "nothing (joined)"
-    parts = [desc.get("kind", "?"), repr(desc.get("name", ""))]
+    parts = [desc.get("kind", "?")] + ([repr(desc["name"])] if desc.get("name") else [])
     for key in ("dtype", "device", "shape", "shapes", "trailing", "op", "root", "prescale", "postscale",
                 "compressor", "step"):
         if key in desc:

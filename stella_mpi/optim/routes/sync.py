@@ -266,8 +266,18 @@ class SyncRoute:
                     p.grad.fill_(float("nan"))
         self.skip = True
         rt.wan_stats.add(skipped_nonfinite=1)
-        log.warning("stella_mpi: step %d skipped on every rank: %s%s", opt._step_count - 1,
+        log.warning("stella_mpi: step %d skipped on %s: %s%s", opt._step_count - 1, self._where(),
                     str(first).split(": ", 1)[-1], "; on this rank: %s" % ", ".join(mine) if mine else "")
+
+    def _where(self):
+        """Which ranks take the same decision: the route's set (local steps: one cluster)."""
+        if self.kind == "cluster":
+            topo = self.opt._spec.process_set.topology
+            return ("every rank of cluster %d (local steps: the other clusters' steps go on, and the period's "
+                    "count does not change)" % topo.cluster_id)
+        if self.process_set.ranks is not None and self.process_set.size() < state.current().size:
+            return "every rank of process set %s" % self.process_set.ranks
+        return "every rank"
 
     def update(self, closure=None):
         """The user's optimizer on the reduced gradients (nothing on a skipped step; with
