@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from ..api.functions import broadcast_object
 from ..api.queries import rank
 from ..api.reduce_ops import Average
+from ..base.errors import NonFiniteGradientError
 from ..compression import Compression, Memory
 from ..core import state
 from ..core.process_sets import global_process_set
@@ -129,6 +130,10 @@ class _DistributedOptimizer(BucketedOptimizer):
         self._use_buckets(getattr(route, "buckets", None) or self._sync_buckets)
         self._start_step()
         self._hook_parameters(route.hooked_params())
+
+    def _on_grad_ready(self, p):
+        self._synchronized = False   # a new backward: the next synchronize() closes a new step
+        self._route.grad_ready(p)
 
     def _user_step(self, closure=None):
         """The user's optimizer's own step."""
@@ -248,9 +253,22 @@ class _DistributedOptimizer(BucketedOptimizer):
     # ---------------- Horovod's optimizer API
 
     def synchronize(self):
-        """Finish the reduction of every gradient (launching any bucket whose hooks did not fire)."""
-        self._route.synchronize()
+        """Finish the reduction of every gradient (launching any bucket whose hooks did not fire).
+
+        This closes the step for local steps' period count, whether or not ``step()`` follows (a
+        GradScaler that found an Inf skips it); a second call before ``step()`` closes nothing."""
+        outer, again = self._outer, self._synchronized
+        if not again:
+            outer.before_synchronize()
+        try:
+            self._route.synchronize()
+        except NonFiniteGradientError:   # STELLA_NONFINITE=raise: the step is refused, and still counted
+            if not again:
+                outer.step_closed(skipped=True)
+            raise
         self._synchronized = True
+        if not again:
+            outer.step_closed(skipped=self._route.skip)
 
     def skip_synchronize(self):
         """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself).

@@ -64,17 +64,29 @@ class OuterChannel:
                 self.comm = None
 
     def launch(self, delta):
-        """Start the exchange of the flat pseudo-gradient ``delta`` (kept until :meth:`wait`)."""
+        """Start the exchange of the flat pseudo-gradient ``delta`` (kept until :meth:`wait`).
+
+        Each rank's part travels with one more entry, its flag: 1 where the part is not finite
+        (the part itself is then sent as zeros, so no NaN or Inf crosses), else 0. The flags are
+        summed with the values; after the gather every rank holds every part's flag, so every
+        rank refuses, or takes, the same exchange (no extra round trip)."""
         if self.closed:
             raise RuntimeError("hvd.LocalSteps(overlap=True): the runtime this optimizer was built on has shut down")
         topo = self.pset.topology
         if self.uniform:
             counts = split_counts(delta.numel(), topo.cluster_size)
             start = sum(counts[:topo.cluster_rank])
-            send = delta[start:start + counts[topo.cluster_rank]] * self.weight
+            part = delta[start:start + counts[topo.cluster_rank]]
         else:
             counts = None
-            send = delta * self.weight
+            part = delta
+        send = torch.empty(part.numel() + 1, dtype=part.dtype)
+        bad = self.pset.nonfinite_policy != "off" and not bool(torch.isfinite(part).all())
+        if bad:
+            send[:-1].zero_()
+        else:
+            torch.mul(part, self.weight, out=send[:-1])
+        send[-1] = 1.0 if bad else 0.0
         recv = torch.empty_like(send)
         req = None
         if self.comm is not None:
@@ -107,8 +119,9 @@ class OuterChannel:
                 end_on_timeout(e)
 
     def wait(self):
-        """The mean pseudo-gradient of the exchange in flight (flat, on every rank), and the
-        delta this rank sent. Collective inside each cluster (the gather or broadcast)."""
+        """(the mean pseudo-gradient of the exchange in flight, flat, on every rank; the delta
+        this rank sent; None, or why the exchange is refused on every rank: some rank's part was
+        not finite). Collective inside each cluster (the gather or broadcast)."""
         req, send, recv, counts, delta, ready_at = self.pending
         self._complete(req)
         self.pending = None
@@ -121,11 +134,21 @@ class OuterChannel:
         topo = self.pset.topology
         cluster = cluster_process_set()
         if topo.cluster_size == 1:
-            return recv, delta
-        if self.uniform:
-            return allgather(recv, name=self.name + ".gather", process_set=cluster), delta
-        leader = global_process_set.ranks[topo.cluster_members[topo.cluster_id][0]]
-        return broadcast(recv, root_rank=leader, name=self.name + ".bcast", process_set=cluster), delta
+            whole = recv
+        elif self.uniform:
+            whole = allgather(recv, name=self.name + ".gather", process_set=cluster)
+        else:
+            leader = global_process_set.ranks[topo.cluster_members[topo.cluster_id][0]]
+            whole = broadcast(recv, root_rank=leader, name=self.name + ".bcast", process_set=cluster)
+        parts = [whole] if counts is None or topo.cluster_size == 1 else \
+            list(torch.split(whole, [c + 1 for c in counts]))
+        flagged = [i for i, part in enumerate(parts) if float(part[-1]) != 0.0]
+        avg = torch.cat([part[:-1] for part in parts]) if len(parts) > 1 else parts[0][:-1]
+        if flagged:
+            why = ("a pseudo-gradient that is not finite on some rank (found in part%s %s of the overlapped exchange "
+                   "%s)" % ("s" if len(flagged) > 1 else "", ", ".join(map(str, flagged)), self.name))
+            return avg, delta, why
+        return avg, delta, None
 
     def drop(self):
         """Complete the exchange in flight and forget it (its period's progress goes into the

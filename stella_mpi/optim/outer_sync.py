@@ -72,6 +72,8 @@ from dataclasses import dataclass
 import torch
 
 from ..adjust.local_steps_rule import period_times
+from ..base.errors import NonFiniteGradientError
+from ..core import state
 
 log = logging.getLogger("stella_mpi")
 OUTER_PRESETS = ("average", "nesterov")
@@ -149,6 +151,12 @@ class NoOuterSync:
     kind = "none"
     overlap = False
 
+    def before_synchronize(self):
+        pass
+
+    def step_closed(self, skipped):
+        pass
+
     def before_step(self):
         pass
 
@@ -180,8 +188,10 @@ class LocalStepsSync:
     ``gather(row)`` all-gathering each rank's period times (int64 rows)."""
     kind = "local"
 
-    def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0):
+    def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0,
+                 drop_nonfinite_state=None):
         self.settings = settings
+        self.drop_nonfinite_state = drop_nonfinite_state   # () -> names whose inner state was dropped
         self.named = list(named)
         self.outer = settings.outer_optimizer(self.named)
         self.progress = LocalStepsState(settings.every)
@@ -198,6 +208,8 @@ class LocalStepsSync:
         self._period_start = None    # perf_counter at the current period's start
         self._timed = False          # the current period was timed from its start (not the first one)
         self._gather_s = 0.0         # the last decision's gather: part of the next exchange's cost
+        self.due = False             # the period's last step was counted; its exchange has not run yet
+        self.refusals = []           # [(exchange number, message)]: exchanges refused for a non-finite value
 
     @property
     def every(self):
@@ -205,24 +217,53 @@ class LocalStepsSync:
 
     # ---------------- the step
 
-    def before_step(self):
+    def before_synchronize(self):
+        """At the start of each step's synchronize (every rank calls it once per step, whether
+        or not it then calls ``step()``): the anchor is taken before the first update, and an
+        exchange still owed by a period whose last step never reached ``step()`` runs now."""
         if not self.anchor:
             self.capture()                  # the broadcast parameters, before the first update
         if self._period_start is None:      # the first period (after a load): timed from here, not whole
             self._period_start, self._timed = time.perf_counter(), False
+        if self.due:
+            self._boundary(skipped=True)
 
-    def after_step(self):
-        """After the user's update: the exchange every H steps. Returns the measured times of a
-        decision on H when one was taken (else None)."""
-        self.in_sync = False
+    def step_closed(self, skipped):
+        """The step's gradients were reduced inside the cluster (or refused). The period is
+        counted here, not in ``step()``: a rank whose step is skipped (a non-finite gradient, a
+        GradScaler that found one and never calls ``step()``, ``STELLA_NONFINITE=raise``) counts it
+        all the same, so every cluster meets at the same step. A skipped last step changes no
+        parameter, so its exchange runs now; otherwise it runs after the user's update."""
         p = self.progress
         p.local_steps += 1
         if self.channel is not None:    # (also drives MPI's progress on the exchange in flight)
             self.channel.poll()
-        if p.local_steps < p.every:
+        if p.local_steps >= p.every:
+            self.due = True
+            if skipped:
+                self._boundary(skipped=True)
+
+    def before_step(self):
+        if not self.anchor:   # (a step() with no synchronize before it: nothing to reduce)
+            self.capture()
+        if self._period_start is None:
+            self._period_start, self._timed = time.perf_counter(), False
+
+    def after_step(self):
+        """After the user's update: the exchange, when this step ended a period. Returns the
+        measured times of a decision on H when one was taken (else None)."""
+        self.in_sync = False
+        if not self.due:
             return None
+        return self._boundary(skipped=False)
+
+    def _boundary(self, skipped):
+        """The exchange that ends a period, and the decision on H. ``skipped``: this rank's last
+        step made no update (its times decide nothing: no rank takes a decision from them)."""
+        self.due = False
+        p = self.progress
         started = time.perf_counter()
-        compute_s = (started - self._period_start) / p.local_steps
+        compute_s = (started - self._period_start) / max(1, p.local_steps)
         if self.channel is not None:
             self.channel.last = None
             self._overlapped_outer_step()
@@ -231,11 +272,11 @@ class LocalStepsSync:
             last = self.channel.last   # None at the first boundary: nothing was in flight
             exposed = max(0.0, last[1] - started) if last else 0.0   # the wait for the wire
             return self._choose_every(compute_s, time.perf_counter() - started - exposed,
-                                      last[1] - last[0] if last else None)
+                                      last[1] - last[0] if last else None, skipped)
         self.outer_step()
         if self.rule is None:
             return None
-        return self._choose_every(compute_s, time.perf_counter() - started)
+        return self._choose_every(compute_s, time.perf_counter() - started, skipped=skipped)
 
     def capture(self):
         self.anchor = {n: p.detach().clone() for n, p in self.named}
@@ -246,6 +287,7 @@ class LocalStepsSync:
         a past phase)."""
         self.capture()
         self.progress.every, self.progress.local_steps = every, 0
+        self.due = False
         if self.rule is not None:
             self.rule.restart(every)
         self.outer.state.clear()
@@ -279,10 +321,41 @@ class LocalStepsSync:
         return [(self.anchor[name] - p.detach()).contiguous() for name, p in self.named]
 
     def outer_step(self):
-        """The blocking exchange of the steps since the last one, and the outer step."""
-        self._outer_apply(self.exchange(self.deltas()))
+        """The blocking exchange of the steps since the last one, and the outer step. A
+        pseudo-gradient that is not finite on some rank is refused on every rank
+        (:meth:`_refused`)."""
         self.progress.local_steps = 0
-        self._period_start = time.perf_counter()
+        try:
+            avgs = self.exchange(self.deltas())
+        except NonFiniteGradientError as e:
+            self._refused(str(e))
+        else:
+            self._outer_apply(avgs)
+            self._period_start = time.perf_counter()
+
+    def _refused(self, why):
+        """An exchange that some rank's non-finite pseudo-gradient refused, decided alike on every
+        rank (the exchange's own agreement): no value of it reaches a parameter. Every rank goes
+        back to the anchor, the parameters the clusters last agreed on, and drops what of its
+        inner optimizer's state is not finite; the outer optimizer's state is kept. Then
+        ``STELLA_NONFINITE=raise`` raises NonFiniteGradientError on every rank, ``skip`` warns and
+        training goes on."""
+        n = self.progress.exchanges
+        self.refusals.append((n, why))
+        self._period_start = None   # the next period is timed from its start: it decides nothing
+        with torch.no_grad():
+            for name, p in self.named:
+                p.copy_(self.anchor[name])
+        dropped = self.drop_nonfinite_state() if self.drop_nonfinite_state is not None else []
+        message = ("local steps: exchange %d across clusters refused on every rank: %s; every rank is back at the "
+                   "parameters the clusters last agreed on%s"
+                   % (n, why.split(": ", 1)[-1] if why.startswith("rank ") else why,
+                      "; this rank dropped the non-finite inner optimizer state of %s" % ", ".join(dropped)
+                      if dropped else ""))
+        if _policy() == "raise":
+            raise NonFiniteGradientError(message)
+        _count_skip()
+        log.warning("stella_mpi: %s", message)
 
     def _flat_delta(self):
         wide = any(p.dtype == torch.float64 for _, p in self.named)
@@ -292,8 +365,12 @@ class LocalStepsSync:
     def _apply_pending(self, no_progress=False):
         """Wait for the exchange in flight and apply it one period late. ``no_progress``:
         nothing was trained since the launch, so the parameters become the new anchor exactly
-        (the same bits on every rank)."""
-        avg, sent = self.channel.wait()
+        (the same bits on every rank). An exchange some rank flagged as not finite is refused on
+        every rank (:meth:`_refused`); returns False then."""
+        avg, sent, refused = self.channel.wait()
+        if refused:
+            self._refused(refused)
+            return False
         avgs, progress, offset = [], [], 0
         with torch.no_grad():
             for name, p in self.named:
@@ -305,17 +382,19 @@ class LocalStepsSync:
                     progress.append(p.detach() - (anchor - d))
                 offset += n
         self._outer_apply(avgs, None if no_progress else progress)
+        return True
 
     def _overlapped_outer_step(self):
+        self.progress.local_steps = 0
         if self.channel.pending is not None:
             self._apply_pending()
         self.channel.launch(self._flat_delta())
-        self.progress.local_steps = 0
 
     def sync_clusters(self):
         """Make every rank hold the same parameters now: with ``overlap``, complete the exchange
         in flight and run one more, blocking; without, run the exchange of the steps since the
         last one (if any). Collective: every rank calls it at the same step."""
+        self.due = False
         if self.channel is None:
             if self.progress.local_steps:
                 self.outer_step()
@@ -327,7 +406,10 @@ class LocalStepsSync:
                 self._apply_pending(no_progress=True)
                 self.in_sync = True
                 return
-            self._apply_pending()
+            if not self._apply_pending():   # refused: every rank holds the anchor again
+                self.progress.local_steps = 0
+                self.in_sync = True
+                return
         self.channel.launch(self._flat_delta())
         self._apply_pending(no_progress=True)
         self.progress.local_steps = 0
@@ -340,17 +422,17 @@ class LocalStepsSync:
 
     # ---------------- choosing H
 
-    def _choose_every(self, compute_s, exchange_s, wire_s=None):
+    def _choose_every(self, compute_s, exchange_s, wire_s=None, skipped=False):
         """The adjuster's H for the next period, from this period's times (seconds per local
         step; seconds the exchange blocked the step; with overlap, the seconds from the launch
         of the exchange just applied to its arrival), gathered from every rank as integer
         microseconds with its cluster (one all-gather: every rank decides from the same values),
         combined by :func:`..adjust.local_steps_rule.period_times`; the exchange includes the last
         gather's time. A period not timed from its start on some rank (the first one, or after a
-        load), or with nothing in flight, decides nothing. Returns the times decided from, or
-        None."""
+        load), whose last step some rank skipped, or with nothing in flight, decides nothing.
+        Returns the times decided from, or None."""
         t0 = time.perf_counter()
-        measured = self._timed and (wire_s is not None or self.channel is None)
+        measured = self._timed and not skipped and (wire_s is not None or self.channel is None)
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
                               round(1e6 * (wire_s or 0.0)), self.cluster_id, int(measured)]], dtype=torch.int64)
         rows = self.gather(mine)
@@ -421,6 +503,7 @@ class LocalStepsSync:
                 self.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
         self._period_start = None
         self.in_sync = False
+        self.due = False
 
 
 def _to_cpu(obj):
@@ -431,3 +514,12 @@ def _to_cpu(obj):
     if isinstance(obj, list):
         return [_to_cpu(v) for v in obj]
     return obj
+
+
+def _policy():
+    """STELLA_NONFINITE now (a test may change the runtime's config between steps)."""
+    return state.current().config.nonfinite
+
+
+def _count_skip():
+    state.current().wan_stats.add(skipped_nonfinite=1)

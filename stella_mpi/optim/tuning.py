@@ -40,7 +40,8 @@ from ..adjust.mode_rule import ModeRule
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
-from ..api.allreduce import compressed_allreduce_async, grouped_allreduce_async
+from ..api.allreduce import (allreduce_tensors_async, compressed_allreduce_async, grouped_allreduce_async,
+                             new_outputs)
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.queries import rank
@@ -50,6 +51,7 @@ from ..comm.hierarchy import allreduce_bytes
 from ..compression import Compression
 from ..core import state
 from ..core.process_sets import global_process_set
+from .agreement import check_agreement
 from .clusters import cluster_process_set
 from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
@@ -73,6 +75,8 @@ _exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchan
 def compose(opt):
     """Install the route, the outer synchronization and the tuner ``opt._spec`` asks for."""
     spec = opt._spec
+    # before any communicator or collective of a route: settings that differ by rank end here
+    check_agreement(spec, [(opt._names[p], p) for p in opt._params])
     kind = spec.route_kind()
     pset = spec.process_set
     if kind == "cpu":
@@ -129,9 +133,28 @@ def pseudo_gradient_exchange(comp, name):
         if getattr(comp, "sparse", False):
             return synchronize(compressed_allreduce_async(deltas, comp, name, Average, inplace=True))
         pairs = [comp.compress(d) for d in deltas]
-        out = synchronize(grouped_allreduce_async([c for c, _ in pairs], op=Average, name=name))
+        # gradients=True: a NaN/Inf on any rank refuses the exchange on every rank (as the
+        # sparse and THC exchanges do), unless STELLA_NONFINITE=off
+        out = synchronize(allreduce_tensors_async([c.contiguous() for c, _ in pairs], new_outputs, name, Average,
+                                                  1.0, 1.0, global_process_set, "grouped_allreduce", gradients=True))
         return [comp.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
     return exchange
+
+
+def nonfinite_state_dropper(opt):
+    """() -> the names of the parameters whose inner optimizer state held a NaN or Inf, that
+    state dropped (a refused exchange sends every rank back to the anchor; a state that is not
+    finite would poison the next period too)."""
+    def drop():
+        dropped = []
+        for p in opt._params:
+            st = opt.state.get(p)
+            if st and any(torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+                          for t in st.values()):
+                opt.state[p] = {}
+                dropped.append(opt._names[p])
+        return dropped
+    return drop
 
 
 def local_steps_sync(opt, settings, pseudo, rule=None):
@@ -142,7 +165,8 @@ def local_steps_sync(opt, settings, pseudo, rule=None):
     return LocalStepsSync(settings, named, pseudo_gradient_exchange(pseudo, name),
                           channel=OuterChannel(name) if settings.overlap else None, rule=rule,
                           gather=lambda row: allgather(row, name=name + ".times"),
-                          cluster_id=global_process_set.topology.cluster_id)
+                          cluster_id=global_process_set.topology.cluster_id,
+                          drop_nonfinite_state=nonfinite_state_dropper(opt))
 
 
 def payload_per_entry(comp, nclusters):

@@ -10,6 +10,8 @@ import threading
 import pytest
 import torch
 
+from stella_mpi.base.errors import NonFiniteGradientError
+from stella_mpi.optim import outer_sync
 from stella_mpi.optim.outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
 
 
@@ -33,27 +35,51 @@ class TwoClusters:
         self.inner = [inner(m.parameters()) for m in self.models]
         self.barrier = threading.Barrier(2)
         self.sent = [None, None]
-        self.syncs = [LocalStepsSync(settings, list(m.named_parameters()), self._exchange(c))
+        self.syncs = [LocalStepsSync(settings, list(m.named_parameters()), self._exchange(c),
+                                     drop_nonfinite_state=self._dropper(c))
                       for c, m in enumerate(self.models)]
+
+    def _dropper(self, cluster):
+        def drop():   # what the optimizer's does (optim/tuning.py): the inner state that is not finite
+            opt, dropped = self.inner[cluster], []
+            for p in list(opt.state):
+                if any(torch.is_tensor(t) and not bool(torch.isfinite(t).all()) for t in opt.state[p].values()):
+                    opt.state[p] = {}
+                    dropped.append("a parameter of shape %s" % list(p.shape))
+            return dropped
+        return drop
 
     def _exchange(self, cluster):
         def exchange(deltas):
             self.sent[cluster] = [d.clone() for d in deltas]
             self.barrier.wait()
             mean = [(a + b) / 2 for a, b in zip(*self.sent)]
+            finite = all(bool(torch.isfinite(d).all()) for sent in self.sent for d in sent)
             self.barrier.wait()   # both read before the next exchange overwrites
+            if not finite:   # what the allreduce's agreement does: refused on every rank
+                raise NonFiniteGradientError("rank %d: a non-finite gradient (NaN or Inf) in the exchange" % cluster)
             return mean
         return exchange
 
-    def train(self, steps, start=0):
+    def train(self, steps, start=0, skip=(), poison=()):
+        """``skip``: (cluster, step) pairs whose step is skipped and never reaches ``step()``
+        (GradScaler's pattern); ``poison``: (cluster, step) pairs after whose update the
+        cluster's first weight gets a NaN."""
         def run(c):
             model, opt, sync = self.models[c], self.inner[c], self.syncs[c]
             for step in range(start, start + steps):
-                sync.before_step()
+                sync.before_synchronize()
                 opt.zero_grad()
                 x, y = _batch(c, step)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
+                sync.step_closed(skipped=(c, step) in skip)
+                if (c, step) in skip:
+                    continue
+                sync.before_step()
                 opt.step()
+                if (c, step) in poison:
+                    with torch.no_grad():
+                        model[0].weight.view(-1)[0] = float("nan")
                 sync.after_step()
         threads = [threading.Thread(target=run, args=(c,)) for c in (0, 1)]
         for t in threads:
@@ -115,6 +141,39 @@ def test_the_clusters_train_apart_between_exchanges():
         t.join(timeout=60)
     a, b = (torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in two.models)
     assert torch.equal(a, b) and all(s.progress.exchanges == 1 for s in two.syncs)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_skipped_step_counts_and_a_skipped_last_step_exchanges_at_once():
+    """Cluster 1 skips step 1 (inside the first period) and step 3 (the last of the second) and
+    never calls step() there: both clusters still exchange after steps 1 and 3."""
+    two = TwoClusters(LocalSteps(every=2))
+    two.train(4, skip={(1, 1), (1, 3)})
+    assert [s.progress.exchanges for s in two.syncs] == [2, 2]
+    assert all(s.progress.local_steps == 0 and not s.due for s in two.syncs)
+    assert torch.equal(_flat(two.models[0]), _flat(two.models[1]))
+
+
+def test_a_nan_in_one_cluster_is_refused_by_both_and_both_go_back_to_the_anchor(monkeypatch):
+    monkeypatch.setattr(outer_sync, "_policy", lambda: "skip")
+    monkeypatch.setattr(outer_sync, "_count_skip", lambda: None)
+    two = TwoClusters(LocalSteps(every=2))
+    two.train(2)
+    agreed = _flat(two.models[0])
+    two.train(2, start=2, poison={(1, 2)})
+    for model, sync in zip(two.models, two.syncs):
+        assert torch.equal(_flat(model), agreed)   # back at the anchor, the same on both
+        assert [n for n, _ in sync.refusals] == [1] and sync.progress.exchanges == 1
+    two.train(2, start=4)
+    assert [s.progress.exchanges for s in two.syncs] == [2, 2]
+    assert all(bool(torch.isfinite(_flat(m)).all()) for m in two.models)
+    monkeypatch.setattr(outer_sync, "_policy", lambda: "raise")
+    with pytest.raises(NonFiniteGradientError, match="refused on every rank"):
+        two.syncs[0].drop_nonfinite_state = None
+        two.syncs[0]._refused("rank 1: a NaN")
 
 
 def test_nesterov_preset_is_diloco():
