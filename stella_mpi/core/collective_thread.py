@@ -434,8 +434,8 @@ class CollectiveThread:
             for op in ops:
                 if op is not None:
                     self._finish(op, error=e)
-        finally:
-            self._current = None
+        # (not in a finally: a collective that fails keeps its op as the one to name)
+        self._current = None
 
     def _fail_named(self, op, exc, pending, join_op):
         """The named loop's form of :meth:`_fail_everything`: the op that failed (or the round),
