@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from . import config_file, elastic, leftovers, shaping, status
@@ -266,13 +267,36 @@ def _in_terminal_foreground():
     return False
 
 
+def _to_stderr(data):
+    try:
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _copy_stderr(pipe, markers):
+    """mpirun's stderr to ours, without the marker lines of ranks on other hosts."""
+    fd = pipe.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        markers.feed(chunk)
+    pipe.close()
+
+
 def run_job(args, command_for, setup=None, teardown=None, records_out=None):
     """Run mpirun (``command_for(status_dir)``) supervised: signals forwarded, ranks killed
     SIGNAL_GRACE_S after a signal they ignore, mpirun killed with stellarun, MPICH's leftovers
     removed, the first failed rank reported. Returns stellarun's exit code.
 
-    The report covers the ranks of this host: the status directory is made here (on other
-    hosts the rank supervisors find none and record nothing)."""
+    The report covers every host: the status directory is made here; on other hosts each rank's
+    supervisor makes its own, and the records come back as marker lines on mpirun's stderr
+    (stellarun/status.py), which are taken out of the output."""
     if args.dry_run:
         print(shlex.join(command_for("")))
         return 0
@@ -304,6 +328,8 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
     stopped = None   # ranks found stopped when the first failure was recorded
     polls = 0
     records, removed = [], []
+    markers = status.MarkerFilter(_to_stderr)   # records of ranks on other hosts, from mpirun's stderr
+    copier = None
     try:
         try:
             if setup is not None:
@@ -311,7 +337,10 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
             if not signalled:
                 sys.stdout.flush()
                 parent = os.getpid()
-                proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(expect_parent=parent))
+                proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(expect_parent=parent),
+                                        stderr=subprocess.PIPE)
+                copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, markers), daemon=True)
+                copier.start()
             while proc is not None:
                 try:
                     rc = proc.wait(timeout=0.1)
@@ -331,6 +360,9 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if copier is not None:
+                copier.join(timeout=10)
+            markers.close()
             if teardown is not None:
                 teardown()
     finally:
@@ -338,6 +370,7 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
         if status_dir:
             records = status.read_all(status_dir)
             shutil.rmtree(status_dir, ignore_errors=True)
+        records = status.merged(records, markers.records)
         for s, h in old.items():
             signal.signal(s, h)
     if removed:

@@ -14,11 +14,16 @@ import ctypes
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
-from .status import record, record_start
+from . import leftovers
+from .status import EMIT_VAR, record, record_start
+
+PRETEND_REMOTE_VAR = "STELLARUN_PRETEND_REMOTE"   # tests: hosts (comma-separated) whose ranks act as on another host
 
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -83,6 +88,15 @@ def _tee(pipe, console, path):
     pipe.close()
 
 
+def on_another_host(directory):
+    """Whether this rank runs on a host other than the launching one: the job's status directory
+    (made there) does not exist here, or this host is named in STELLARUN_PRETEND_REMOTE (two pretend
+    hosts of one machine, as the tests run them)."""
+    me = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    pretend = [h.strip() for h in os.environ.get(PRETEND_REMOTE_VAR, "").split(",") if h.strip()]
+    return bool(directory) and (not os.path.isdir(directory) or me in pretend)
+
+
 def describe_status(rc):
     """'killed by signal 9 (SIGKILL)' or 'exited with code 3' for a Popen return code."""
     if rc < 0:
@@ -96,11 +110,21 @@ def describe_status(rc):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--janitor"] and len(argv) == 2:
+        return janitor(int(argv[1]))
     cmd = argv[1:] if argv[:1] == ["--"] else argv
     if not cmd:
         sys.stderr.write("usage: python -m stellarun.rank -- COMMAND...\n")
         return 2
     directory, rank = os.environ.get("STELLA_STATUS_DIR", ""), launcher_rank()
+    remote = on_another_host(directory)
+    env = None
+    if remote:
+        # no status directory here: the rank's first record and this supervisor's go to the
+        # launching host as marker lines on stderr; a janitor cleans this host after the job
+        directory = ""
+        env = dict(os.environ, STELLA_STATUS_DIR="", **{EMIT_VAR: "1"})
+        start_janitor()
     parent = os.getppid()
     die_with_parent()
     if os.getppid() != parent:   # the parent went before the request took effect
@@ -127,9 +151,9 @@ def main(argv=None):
     pipes = subprocess.PIPE if paths else None
     try:
         child = subprocess.Popen(cmd, close_fds=False, preexec_fn=lambda: die_with_parent(expect_parent=me),
-                                 process_group=0, stdout=pipes, stderr=pipes)
+                                 process_group=0, stdout=pipes, stderr=pipes, env=env)
     except OSError as e:
-        record(directory, rank, "exit", "could not start %r: %s" % (cmd[0], e))
+        record(directory, rank, "exit", "could not start %r: %s" % (cmd[0], e), emit=remote)
         sys.stderr.write("stellarun.rank: could not start %r: %s\n" % (cmd[0], e))
         return 127
     record_start(directory, rank, child.pid)
@@ -145,7 +169,7 @@ def main(argv=None):
     for t in copiers:
         t.join(timeout=5)
     if rc != 0:
-        record(directory, rank, "signal" if rc < 0 else "exit", describe_status(rc), child.pid)
+        record(directory, rank, "signal" if rc < 0 else "exit", describe_status(rc), child.pid, emit=remote)
     if rc < 0:   # end the way the rank ended, so that mpirun reports the same signal
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # the rank's core dump, not ours
         try:
@@ -154,6 +178,28 @@ def main(argv=None):
             pass     # SIGKILL and SIGSTOP keep their default action anyway
         os.kill(os.getpid(), -rc)
     return rc if rc >= 0 else 128 - rc
+
+
+def start_janitor():
+    """On a host other than the launching one, what stellarun does for its own host after a job:
+    a process in a session of its own (a failed job's abort kills the supervisor and the rank,
+    not it) notes MPICH's files the rank uses while the supervisor lives, then removes those and
+    the ones made since that nothing uses, and ends."""
+    try:
+        subprocess.Popen([sys.executable, "-m", "stellarun.rank", "--janitor", str(os.getpid())],
+                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError as e:
+        sys.stderr.write("stellarun.rank: no clean-up on this host after the job (%s)\n" % e)
+
+
+def janitor(supervisor):
+    started, seen = time.time(), set()
+    while os.path.exists("/proc/%d" % supervisor):
+        seen |= leftovers.used_by_descendants(supervisor)
+        time.sleep(0.5)
+    leftovers.remove_after_job(seen, since=started - 1)
+    return 0
 
 
 if __name__ == "__main__":

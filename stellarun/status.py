@@ -51,18 +51,26 @@ def any_record(directory):
         return False
 
 
-def record(directory, rank, cause, detail, pid=None):
-    """Write a rank's record unless it has one (no-op without a directory)."""
-    if not directory:
+def record(directory, rank, cause, detail, pid=None, emit=False):
+    """Write a rank's record unless it has one (no-op without a directory); ``emit`` (a host
+    other than the launching one, where there is no directory): print it as a marker line on
+    stderr instead."""
+    if not directory and not emit:
         return
     rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid() if pid is None else pid,
            "time": time.time(), "cause": cause, "detail": str(detail)[:2000]}
-    try:
-        fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        return
-    with os.fdopen(fd, "w") as f:
-        json.dump(rec, f)
+    if directory:
+        try:
+            fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError:
+            return
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec, f)
+    if emit:
+        try:
+            os.write(2, marker_line(rec))
+        except OSError:
+            pass
 
 
 def record_start(directory, rank, pid):
@@ -96,6 +104,18 @@ def stopped_ranks(directory):
     return out
 
 
+def _checked(rec):
+    """``rec`` if it is a well-formed record (a bad ``silent`` dropped), else None."""
+    if not (isinstance(rec, dict) and all(k in rec for k in FIELDS) and rec["cause"] in EXIT_CODES
+            and isinstance(rec["rank"], int) and not isinstance(rec["rank"], bool)
+            and isinstance(rec["time"], (int, float))):
+        return None
+    silent = rec.pop("silent", None)
+    if isinstance(silent, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in silent):
+        rec["silent"] = silent
+    return rec
+
+
 def read_all(directory):
     """Every well-formed record, earliest first."""
     out = []
@@ -104,16 +124,85 @@ def read_all(directory):
             continue
         try:
             with open(os.path.join(directory, name)) as f:
-                rec = json.load(f)
+                rec = _checked(json.load(f))
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and all(k in rec for k in FIELDS) and rec["cause"] in EXIT_CODES \
-                and isinstance(rec["rank"], int) and not isinstance(rec["rank"], bool):
-            silent = rec.pop("silent", None)
-            if isinstance(silent, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in silent):
-                rec["silent"] = silent
+        if rec is not None:
             out.append(rec)
     return sorted(out, key=lambda r: r["time"])
+
+
+# ---------------------------------------------------------------- records from other hosts
+#
+# The status directory is made on the launching host. On another host (where that directory
+# does not exist) a rank's supervisor clears STELLA_STATUS_DIR and sets STELLA_STATUS_EMIT: the
+# rank's first record and the supervisor's are printed on stderr as one MARKER line each, which
+# hydra forwards to mpirun on the launching host (nothing is written on that host). stellarun reads mpirun's
+# stderr, takes the marker lines out of it (:class:`MarkerFilter`) and reports them with the
+# records of its own host (:func:`merged`).
+
+MARKER = b"stellarun-status: "
+EMIT_VAR = "STELLA_STATUS_EMIT"
+
+
+def marker_line(rec):
+    return MARKER + json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+
+
+def parse_marker(line):
+    """The record of a marker line (bytes, without its newline), or None."""
+    if not line.startswith(MARKER):
+        return None
+    try:
+        return _checked(json.loads(line[len(MARKER):].decode(errors="replace")))
+    except ValueError:
+        return None
+
+
+class MarkerFilter:
+    """Passes a byte stream on (``write``) without its marker lines, which it keeps as records.
+    Complete lines go on at once; a partial line only waits while it could still be a marker."""
+
+    def __init__(self, write):
+        self.write = write
+        self.records = []
+        self._held = b""
+
+    def feed(self, chunk):
+        data = self._held + chunk
+        self._held = b""
+        while data:
+            nl = data.find(b"\n")
+            if nl < 0:
+                if MARKER.startswith(data[:len(MARKER)]):
+                    self._held = data   # may be the start of a marker line
+                else:
+                    self.write(data)
+                return
+            line, data = data[:nl], data[nl + 1:]
+            rec = parse_marker(line)
+            if rec is not None:
+                self.records.append(rec)
+            else:
+                self.write(line + b"\n")
+
+    def close(self):
+        if self._held:
+            rec = parse_marker(self._held)
+            if rec is not None:
+                self.records.append(rec)
+            else:
+                self.write(self._held)
+            self._held = b""
+
+
+def merged(local, remote):
+    """The records of this host and those that came as marker lines, the first of each rank
+    kept, earliest first."""
+    first = {}
+    for rec in sorted(list(local) + list(remote), key=lambda r: r["time"]):
+        first.setdefault(rec["rank"], rec)
+    return sorted(first.values(), key=lambda r: r["time"])
 
 
 def report(records):

@@ -118,6 +118,48 @@ def test_a_script_error_ends_the_elastic_job(tmp_path, hosts):
     assert "reset 1" not in text
 
 
+def test_a_failure_on_another_host_is_reported_by_the_launching_host(tmp_path, monkeypatch):
+    """Every rank acts as on a host other than stellarun's (STELLARUN_PRETEND_REMOTE): its status
+    directory is its supervisor's own, so its record reaches stellarun only as a marker line on
+    mpirun's stderr. stellarun still reports the exception (and does not take it for a lost
+    host), shows no marker line, and every status directory is gone afterwards."""
+    if mpirun_path() is None:
+        pytest.skip("no mpirun (pip install mpich)")
+    listing, script = eh.discovery(tmp_path, [("localhost", 1), ("127.0.0.1", 1)])
+    monkeypatch.setenv("STELLARUN_PRETEND_REMOTE", "localhost,127.0.0.1")
+    before = set(glob.glob("/tmp/stellarun-status-*"))
+    proc, log, out, f = eh.launch(tmp_path, script, 2, 20, train_args=["--raise-at", "3"])
+    rc = eh.finish(proc, f, timeout=120)
+    text = eh.read(log)
+    assert rc == 10, text[-3000:]
+    assert re.search(r"stellarun: rank 0 \(host [^,]+, pid \d+\) failed first: exception: .*a bug in the training "
+                     r"script", text), text[-3000:]
+    assert "raised an exception (not a lost host)" in text and "reset 1" not in text, text[-3000:]
+    assert "stellarun-status:" not in text
+    assert set(glob.glob("/tmp/stellarun-status-*")) - before <= {d for d in glob.glob("/tmp/stellarun-status-*")
+                                                                  if status_owner_alive(d)}   # (another job's)
+    # each pretend host's janitor cleans up after the job and ends
+    assert eh.wait(lambda: not _janitors(), 30), "a janitor is still running"
+
+
+def status_owner_alive(directory):
+    from stellarun import status
+    return status.launcher_alive(directory)
+
+
+def _janitors():
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"stellarun.rank" in cmd and b"--janitor" in cmd:
+            found.append(path)
+    return found
+
+
 @pytest.mark.slow
 def test_a_link_outage_longer_than_the_timeout_cuts_a_cluster_off_and_it_rejoins(tmp_path, hosts):
     """--elastic --wan: the link goes down for longer than STELLA_TIMEOUT. The cluster on the far

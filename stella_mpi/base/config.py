@@ -192,6 +192,12 @@ def status_dir_setting():
     return str(os.environ.get("STELLA_STATUS_DIR", "")).strip()
 
 
+def status_emit_setting():
+    """``STELLA_STATUS_EMIT=1``: this rank runs on a host other than stellarun's (its supervisor
+    says so); its record goes to stderr as a marker line (stellarun/status.py)."""
+    return os.environ.get("STELLA_STATUS_EMIT", "") == "1"
+
+
 def elastic_setting():
     """What ``stellarun --elastic`` tells each rank (stella_mpi/elastic/worker.py), or None
     outside an elastic launch: the host's commit directory, the launcher's notification file,

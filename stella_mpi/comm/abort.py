@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..base import timeline
-from ..base.config import launcher_rank_setting, status_dir_setting
+from ..base.config import launcher_rank_setting, status_dir_setting, status_emit_setting
 
 _lock = threading.Lock()
 _ending_thread = None        # the thread that is ending the job
@@ -50,6 +50,9 @@ def this_rank():
     return launcher_rank_setting()
 
 
+_emitted = False   # this process printed its record as a marker line (no status directory on this host)
+
+
 def record_status(cause, detail, rank=None, pid=None, silent=None):
     """Write how this rank ended to ``STELLA_STATUS_DIR/rank<r>.json`` for stellarun (a no-op
     without stellarun, in a forked child unless it writes for the rank's ``pid``, or when the
@@ -57,18 +60,29 @@ def record_status(cause, detail, rank=None, pid=None, silent=None):
     stellarun's (stellarun/status.py: rank, host, pid, time, cause, detail, and for a deadline
     the ranks that did not answer, ``silent``); tests/unit/test_fail_stop_report.py checks that
     both writers agree."""
+    global _emitted
     try:
         directory = status_dir_setting()
+        # a host other than stellarun's (its supervisor says so): no directory here; the record
+        # goes to the launching host as one line of stderr that stellarun takes out of the output
+        # (stellarun/status.py: MARKER)
+        emit = status_emit_setting()
         rank = this_rank() if rank is None else rank
-        if not directory or rank < 0 or (pid is None and not is_rank_process()):
+        if not (directory or emit) or rank < 0 or (pid is None and not is_rank_process()):
             return
         rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid() if pid is None else pid,
                "time": time.time(), "cause": cause, "detail": str(detail)[:2000]}
         if silent is not None:
             rec["silent"] = [int(r) for r in silent]
-        fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec, f)
+        if directory:
+            fd = os.open(os.path.join(directory, "rank%d.json" % rank), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump(rec, f)
+        elif _emitted:
+            return   # the first cause of a rank is the one kept
+        if emit:
+            _emitted = True
+            os.write(2, b"stellarun-status: " + json.dumps(rec, separators=(",", ":")).encode() + b"\n")
     except Exception:  # noqa: BLE001 - already recorded, no such directory, a full disk: no record
         pass
 

@@ -103,3 +103,35 @@ def test_every_cause_stella_mpi_records_has_an_exit_code():
                 causes |= set(re.findall(r'return "(deadline|collective)" if', text))
     assert {"exception", "deadline", "signal"} <= causes, causes
     assert causes <= set(status.EXIT_CODES), causes - set(status.EXIT_CODES)
+
+
+def test_records_from_another_host_travel_as_marker_lines_and_leave_the_output():
+    """A rank on another host prints its record as one stderr line (stella_mpi's writer with
+    STELLA_STATUS_EMIT, or its supervisor's); stellarun takes those lines out of mpirun's stderr,
+    in whatever chunks they arrive, and reports them with its own host's records."""
+    from stellarun import status
+    shown = []
+    f = status.MarkerFilter(shown.append)
+    rec = {"rank": 3, "host": "far", "pid": 9, "time": 2.0, "cause": "exception", "detail": "boom"}
+    data = b"rank 3 says hello\n" + status.marker_line(rec) + b"progress 50%\r" + b"stellarun-stat" + b"us: {bad\n" + \
+        b"tail without newline"
+    for i in range(0, len(data), 7):   # split anywhere, as pipes do
+        f.feed(data[i:i + 7])
+    f.close()
+    assert f.records == [rec]
+    assert b"".join(shown) == b"rank 3 says hello\nprogress 50%\rstellarun-status: {bad\ntail without newline"
+    here = {"rank": 3, "host": "here", "pid": 1, "time": 5.0, "cause": "signal", "detail": "killed"}
+    other = {"rank": 1, "host": "here", "pid": 2, "time": 3.0, "cause": "deadline", "detail": "late"}
+    assert status.merged([here, other], f.records) == [rec, other]   # the first of each rank, earliest first
+
+
+def test_stella_mpis_writer_emits_the_marker_line(tmp_path):
+    from stellarun import status
+    code = ("from stella_mpi.comm.abort import record_status\n"
+            "record_status('exception', 'a bug', rank=1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120,
+                          env=dict(os.environ, STELLA_STATUS_DIR=str(tmp_path), STELLA_STATUS_EMIT="1"))
+    f = status.MarkerFilter(lambda data: None)
+    f.feed(proc.stderr)
+    f.close()
+    assert [(r["rank"], r["cause"], r["detail"]) for r in f.records] == [(1, "exception", "a bug")]
