@@ -43,7 +43,7 @@ ROOT = eh.ROOT
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from mpi_launch import mpirun_path, tagged_processes  # noqa: E402
-from stellarun import leftovers, wan  # noqa: E402
+from stellarun import leftovers, status, wan  # noqa: E402
 
 ROUTES = ("dense", "sparse", "thc", "cpu", "local", "local-overlap", "switch", "auto")
 FAULTS = ("kill", "term", "stop", "cut-short", "cut-long", "nan", "garbage", "revoke")
@@ -206,7 +206,10 @@ def trial(index, seed, case=None, can_wan=True):
     time.sleep(0.3)
     files_left = sorted(set(leftovers.candidates()) - files_before - leftovers.in_use())
     ns_left = wan.leftovers(proc.pid) if launcher != "mpirun" else []
-    dirs_left = sorted({d for g in DIR_GLOBS for d in glob.glob(g)} - dirs_before)
+    # (the soak runs alone: what appeared meanwhile is this trial's; a status directory whose
+    # launcher still runs is being removed by it)
+    dirs_left = sorted(d for d in {d for g in DIR_GLOBS for d in glob.glob(g)} - dirs_before
+                       if not (os.path.basename(d).startswith(status.DIR_PREFIX) and status.launcher_alive(d)))
     result = None
     try:
         with open(out) as f:
@@ -230,14 +233,17 @@ def trial(index, seed, case=None, can_wan=True):
         verdict_ok = ok_end and (lost is None or lost <= COMMIT)
     else:
         verdict_ok = not ok_end and rc not in (0, None) and named
-    verdict_ok = verdict_ok and not hung and not wrong and not files_left and not ns_left and not dirs_left
+    why = [what for what, bad in (("the fault's outcome", not verdict_ok), ("hung", hung), ("wrong result", wrong),
+                                  ("files left", files_left), ("namespaces left", ns_left),
+                                  ("directories left", dirs_left)) if bad]
+    verdict_ok = not why
     since_fault = None if fault_at is None else round(gone_at - fault_at, 1)
     row = {"trial": index, "seed": seed, "route": route, "fault": fault, "launcher": launcher, "wan": plan["wan"],
            "target": target, "plan": {k: v for k, v in plan.items() if k != "listing"}, "applied": applied,
            "exit": rc, "hung": hung, "survived": ok_end, "named": named, "wrong": wrong, "steps_lost": lost,
            "seconds_to_end": since_fault, "procs_left": procs_left, "files_left": files_left,
            "namespaces_left": ns_left, "dirs_left": dirs_left, "mpich_files_cleaned": len(cleaned),
-           "ok": bool(verdict_ok), "replay": "tests/chaos_soak.py --seed %d --first %d --trials 1" % (seed, index),
+           "ok": bool(verdict_ok), "why": why, "replay": "tests/chaos_soak.py --seed %d --first %d --trials 1" % (seed, index),
            "tail": "" if verdict_ok else text[-1500:]}
     if verdict_ok:
         for name in os.listdir(tmp):
@@ -292,8 +298,9 @@ def main(argv=None):
             row["target"], row["exit"], ", not applied" if not row["applied"] else "",
             ", survived" if row["survived"] else ", named %s" % row["named"],
             ", lost %s steps" % row["steps_lost"] if row["steps_lost"] is not None else "",
-            "ok" if row["ok"] else "FAILED (replay: %s)" % row["replay"]), flush=True)
+            "ok" if row["ok"] else "FAILED: %s (replay: %s)" % (", ".join(row["why"]), row["replay"])), flush=True)
         if not row["ok"]:
+            print("    left: %s" % (row["files_left"] + row["namespaces_left"] + row["dirs_left"] + row["procs_left"]))
             print("    " + row["tail"].replace("\n", "\n    ")[-1500:], flush=True)
     print()
     print(table(rows))
