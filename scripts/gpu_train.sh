@@ -18,7 +18,9 @@ for mode in ${MODES:-dense cacheaware topk thc4 cpu1}; do
         cpu1) a="--compression cacheaware --density 0.01 --engine cpu --staleness 1" ;;
     esac
     echo "== $mode: $a" | tee -a "$out/train.log"
+    since=$(date +%s)
     timeout -k 10 $((BUDGET + 90)) "$(dirname "$PY")/mpirun" -np 2 -genv STELLA_CLUSTERS 2 -genv STELLA_WAN_PACE_BPS "$RATE" \
         "$PY" examples/train_horovod.py $common $a --json-out "$out/$mode.json" >>"$out/train.log" 2>&1
     echo "exit $?" | tee -a "$out/train.log"; grep -E "^done" "$out/train.log" | tail -1
+    "$PY" -m stellarun --clean --since "$since" >/dev/null   # what plain mpirun leaves behind
 done

@@ -34,10 +34,13 @@ MPIRUN="$(dirname "$PY")/mpirun"
 [ -x "$MPIRUN" ] || MPIRUN=mpirun
 suite() {  # log-name clusters timeout files...
     local name=$1 cl=$2 to=$3; shift 3
-    local t0=$SECONDS
+    local t0=$SECONDS since rc
+    since=$(date +%s)
     STELLA_CLUSTERS=$cl OMP_NUM_THREADS=1 STELLA_MPI_SUITE=1 STELLA_TIMEOUT=60 timeout -k 10 "$to" \
         "$MPIRUN" -np 2 "$PY" -m mpi4py -m pytest -q -rfEs -p no:cacheprovider "$@" >"$out/$name.log" 2>&1
-    echo "== $name: exit $? in $((SECONDS - t0)) s"; grep -E "passed|failed|error" "$out/$name.log" | tail -3
+    rc=$?
+    "$PY" -m stellarun --clean --since "$since" >/dev/null   # what plain mpirun leaves behind
+    echo "== $name: exit $rc in $((SECONDS - t0)) s"; grep -E "passed|failed|error" "$out/$name.log" | tail -3
 }
 status=0
 for part in ${PARTS:-gpu bench}; do

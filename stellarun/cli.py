@@ -622,6 +622,9 @@ def parse(argv):
     p.add_argument("--clean", action="store_true",
                    help="remove the shared-memory and topology files MPICH left behind on this machine (of jobs "
                         "that no longer run) and exit")
+    p.add_argument("--since", type=float, metavar="UNIX_TIME",
+                   help="--clean: after a job launched with plain mpirun at UNIX_TIME: also its files made since "
+                        "then that nothing uses, however young")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = p.parse_args(argv)
     if args.config_file:
@@ -644,8 +647,12 @@ def main(argv=None):
 
 def _main(argv):
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.since is not None and not args.clean:
+        raise UsageError("stellarun: --since goes with --clean")
     if args.clean:
         removed = leftovers.remove_unused()
+        if args.since is not None:
+            removed += leftovers.remove_after_job(set(), since=args.since, settle_s=0.0)
         print("stellarun: removed %d file(s) MPICH left behind%s" % (len(removed), "".join("\n  " + p for p in removed)))
         return 0
     if args.mpirun:
