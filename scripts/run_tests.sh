@@ -18,7 +18,7 @@ else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
 fi
 started=$(date +%s)
-python -m pytest -q -m "not slow" "$@"
+python -m pytest -q -m "not slow" --durations=25 "$@"
 # nothing left behind: no MPICH segment or hydra topology file made during the run stays unused
 python - "$started" <<'EOF'
 import sys
