@@ -359,12 +359,18 @@ class ElasticDriver:
         hvd.init() before the diagnosis can run, did not complete: over a link that is down,
         MPICH's start-up does not finish). If clusters cut off before (since the last long
         incarnation) are back in this job, the link is taken to be down still: they are cut
-        off again (all but rank 0's cluster when every one of them was). Else no cut: the
-        hosts fail as before."""
+        off again (all but rank 0's cluster when every one of them was). If none was, and
+        the ranks of every cluster timed out (the link went down as the job started: blaming
+        every host would leave the job none), every cluster but rank 0's is cut off. Else no
+        cut: the hosts fail as before."""
         failed = [rec for rec in records if not _is_reset(rec)]
         if not failed or any(rec.get("cause") != "deadline" or rec.get("silent") is not None for rec in failed):
             return set()
         back = {c for c in members if self.cuts.get(c)}
+        if not back:
+            timed_out = {r for rec in failed for r in [rec.get("rank", -1)]}
+            if all(ms & timed_out for ms in members.values()):
+                back = set(members)
         if back == set(members):
             back -= {min(members, key=lambda c: min(members[c]))}
         return back
