@@ -73,6 +73,15 @@ def survivable(fault, launcher):
     return launcher == "elastic" or fault in ("nan", "cut-short")
 
 
+def hydras_to_name(fault, launcher):
+    """Plain mpirun and a SIGKILLed rank: hydra SIGKILLs every other rank at once, so no rank
+    can say which one died, and hydra's "BAD TERMINATION ... PID" names the first process it
+    lists (rank 0's), not the one that died (checked with a job of plain sleeps). The trial
+    then only needs the job to end with hydra's report; ``named`` still says whether the
+    failed rank was named (stellarun names it: its supervisor sees the signal)."""
+    return fault == "kill" and launcher == "mpirun"
+
+
 def _command(launcher, route, fault, rng, tmp, token, out):
     train = ["--steps", str(STEPS), "--commit-every", str(COMMIT), "--step-sleep", "0.05", "--width", "128",
              "--route", route, "--check", "--out", out]
@@ -119,12 +128,14 @@ def _parent(pid):
         return -1
 
 
-def _named(out, fault, target, plan):
+def _named(out, fault, target, plan, pid=None):
     """Whether the output names the failed rank as the one that failed (a bystander's mention
-    does not count), or for a long cut a rank the deadline waited for."""
+    does not count; hydra's "BAD TERMINATION" with the pid that died counts), or for a long cut
+    a rank the deadline waited for."""
     if fault in SIGNALS:
         return bool(re.search(r"rank %d (\([^)]*\) )?(never came|received SIG|was stopped|is stopped|failed first)"
-                              r"|stella_mpi: rank %d: uncaught" % (target, target), out))
+                              r"|stella_mpi: rank %d: uncaught" % (target, target), out)
+                    or (pid is not None and re.search(r"PID %d RUNNING AT" % pid, out)))
     if fault == "garbage":
         return bool(re.search(r"rank %d sent a malformed|ranks \[[0-9, ]*\b%d\b[0-9, ]*\] agreed on"
                               % (plan["rank"], plan["rank"]), out))
@@ -151,7 +162,7 @@ def trial(index, seed, case=None, can_wan=True):
     log = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    fault_at, target, before, fault_unix = None, None, None, None
+    fault_at, target, before, fault_unix, victim = None, None, None, None, None
     if fault in SIGNALS or fault == "revoke":
         at = rng.uniform(0.3, 9.0) if fault in SIGNALS else None
         step = rng.randint(COMMIT + 1, STEPS - 5) if fault == "revoke" else None
@@ -168,7 +179,7 @@ def trial(index, seed, case=None, can_wan=True):
                 pid = rng.choice(sorted(p for p, (_, h) in ranks.items() if h == host) or sorted(ranks))
             else:
                 pid = rng.choice(sorted(ranks))
-            target = ranks[pid][0]
+            target, victim = ranks[pid][0], pid
             before = max([s for s, _, _ in eh.progress(log_path)] or [0])
             try:
                 os.kill(pid, signal.SIGKILL if fault == "revoke" else SIGNALS[fault])
@@ -226,11 +237,13 @@ def trial(index, seed, case=None, can_wan=True):
         after = [s for s, _, t in eh.progress(log_path) if t > fault_unix]
         lost = max(0, before - (min(after) - 1)) if after else None
     applied = fault_at is not None and (not fault.startswith("cut") or "WAN link down" in text)
-    named = _named(text, fault, target, plan) if not ok_end else None
+    named = _named(text, fault, target, plan, victim) if not ok_end else None
     if not applied:
         verdict_ok = not hung and (ok_end or rc is not None)
     elif survivable(fault, launcher):
         verdict_ok = ok_end and (lost is None or lost <= COMMIT)
+    elif hydras_to_name(fault, launcher):
+        verdict_ok = not ok_end and rc not in (0, None) and "BAD TERMINATION" in text
     else:
         verdict_ok = not ok_end and rc not in (0, None) and named
     why = [what for what, bad in (("the fault's outcome", not verdict_ok), ("hung", hung), ("wrong result", wrong),
@@ -239,7 +252,7 @@ def trial(index, seed, case=None, can_wan=True):
     verdict_ok = not why
     since_fault = None if fault_at is None else round(gone_at - fault_at, 1)
     row = {"trial": index, "seed": seed, "route": route, "fault": fault, "launcher": launcher, "wan": plan["wan"],
-           "target": target, "plan": {k: v for k, v in plan.items() if k != "listing"}, "applied": applied,
+           "target": target, "pid": victim, "plan": {k: v for k, v in plan.items() if k != "listing"}, "applied": applied,
            "exit": rc, "hung": hung, "survived": ok_end, "named": named, "wrong": wrong, "steps_lost": lost,
            "seconds_to_end": since_fault, "procs_left": procs_left, "files_left": files_left,
            "namespaces_left": ns_left, "dirs_left": dirs_left, "mpich_files_cleaned": len(cleaned),
@@ -263,11 +276,15 @@ def table(rows):
         lines.append("%-13s %-9s %-9s %6d %7d %5d %8s %6s %5d %5d %9s" % (
             k[0], k[1], k[2], len(sel), len(app), sum(r["hung"] for r in sel),
             "%d/%d" % (sum(r["survived"] for r in app), len(app)) if surv else "-",
-            "-" if surv else "%d/%d" % (sum(bool(r["named"]) for r in app), len(app)),
+            "-" if surv else "%d/%d%s" % (sum(bool(r["named"]) for r in app), len(app),
+                                           "*" if hydras_to_name(k[1], k[2]) else ""),
             sum(r["wrong"] for r in sel),
             sum(len(r["files_left"]) + len(r["namespaces_left"]) + len(r["dirs_left"]) + len(r["procs_left"])
                 for r in sel),
             max([r["seconds_to_end"] for r in app if r["seconds_to_end"] is not None] or [0])))
+    if any(hydras_to_name(k[1], k[2]) for k in keys):
+        lines.append("* plain mpirun, SIGKILL: hydra kills the other ranks at once and names rank 0's pid "
+                     "(hydras_to_name); stellarun names the rank")
     return "\n".join(lines)
 
 
