@@ -14,6 +14,7 @@ fork is not possible (no memory), the step runs without its deadline."""
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
@@ -64,6 +65,72 @@ def watch(timeout, message, rank, explain=None):
     return w, child
 
 
+def _stat(pid):
+    """(state, parent pid) of process ``pid`` from /proc, or None."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _comm(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def stopped_peers(rank_pid=None):
+    """'; rank 3 (host h, pid p) is stopped' for the ranks of this job on this host that are
+    stopped now (SIGSTOP, a debugger), found without MPI (before MPI_Init nobody can be asked):
+    the processes under the same hydra proxy as this rank (through a stellarun supervisor too)
+    whose environment names a PMI rank."""
+    me = os.getppid() if rank_pid is None else rank_pid   # (run in the watchdog: its parent is the rank)
+    proxy, pid = None, me
+    for _ in range(4):
+        st = _stat(pid)
+        if st is None or st[1] <= 1:
+            break
+        pid = st[1]
+        if _comm(pid).startswith("hydra_pmi_prox"):
+            proxy = pid
+            break
+    if proxy is None:
+        return ""
+    parents, states = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                states[int(entry)], parents[int(entry)] = st
+    found = []
+    for pid, state in sorted(states.items()):
+        if pid == me or state not in ("T", "t"):
+            continue
+        up, ok = pid, False
+        for _ in range(3):
+            up = parents.get(up)
+            if up == proxy:
+                ok = True
+                break
+            if up is None:
+                break
+        if not ok:
+            continue
+        try:
+            with open("/proc/%d/environ" % pid, "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            rank = int(env[b"PMI_RANK"])
+        except (OSError, KeyError, ValueError):
+            continue
+        found.append("rank %d (host %s, pid %d)" % (rank, socket.gethostname(), pid))
+    return "; on this host %s %s stopped (SIGSTOP or a debugger)" % (
+        ", ".join(found), "is" if len(found) == 1 else "are") if found else ""
+
+
 def import_mpi():
     """Import ``mpi4py.MPI`` (initializing MPI) unless it is already; this process ends with a
     message if MPI_Init has not returned within the deadline."""
@@ -72,7 +139,7 @@ def import_mpi():
     timeout, rank = _timeout(start_timeout_setting), launcher_rank_setting()
     guard = watch(timeout, "stella_mpi: rank %d (as the launcher numbers it): MPI_Init did not complete within %.0f "
                   "s (STELLA_START_TIMEOUT, else STELLA_TIMEOUT): a rank of the job has not started (frozen, still loading, or its host is "
-                  "down)\n" % (rank, timeout), rank)
+                  "down)\n" % (rank, timeout), rank, explain=stopped_peers)
     try:
         from mpi4py import MPI  # noqa: F401
     finally:
