@@ -266,13 +266,15 @@ class ElasticDriver:
         the ranks that did not answer)."""
         listed = {h for h, _ in self.discovery.hosts()}
         cut = self.handle_cuts(records, ranks, listed)
+        # a rank stopped, killed or exiting on its own explains the others' start-up deadlines
+        explained = any(rec.get("cause") in ("signal", "exit") and not _is_reset(rec) for rec in records)
         failed = set()
         for rec in records:
             r = rec.get("rank", -1)
             if not 0 <= r < len(ranks) or _is_reset(rec) or self.cluster_of(ranks, r) in cut:
                 continue   # a rank that left for a reset, or one cut off: not the host's failure
-            if cut and rec.get("cause") == "deadline" and rec.get("silent") is None:
-                continue   # a start-up deadline that the cut explains (start_up_cut)
+            if (cut or explained) and rec.get("cause") == "deadline" and rec.get("silent") is None:
+                continue   # a start-up deadline (nobody could be asked) that the cut or a failed rank explains
             silent = [s for s in rec.get("silent") or [] if 0 <= s < len(ranks)] if rec.get("cause") == "deadline" \
                 else []
             if silent:   # a deadline passed: the hosts of the ranks that did not answer (and were not cut off) failed

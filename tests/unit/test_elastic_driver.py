@@ -245,3 +245,19 @@ def test_a_long_incarnation_without_the_cut_cluster_keeps_its_back_off(two, monk
     assert driver.run() == 0
     assert seen[0] == ["localhost"] and seen[1] == ["127.0.0.1", "localhost"]
     assert not driver.blacklist and driver.cuts["b"] == 7   # cut off again, not every host blacklisted
+
+
+def test_a_rank_stopped_at_start_up_blames_its_host_alone(two):
+    """A rank frozen before MPI_Init: the others' start-up deadlines name nobody (nobody could be
+    asked), stellarun finds the stopped rank and records it. Only that rank's host fails; the
+    deadlines do not blame their own hosts (the chaos soak found every host blacklisted and the
+    job waiting for hosts)."""
+    driver, ranks = two
+    start_up = [{**_deadline(r, None), "detail": "MPI_Init did not complete within 10 s"} for r in range(3)]
+    for rec in start_up:
+        del rec["silent"]
+    stopped = {"rank": 3, "host": "vm", "pid": 7, "time": 1.0, "cause": "signal",
+               "detail": "stopped (SIGSTOP or a debugger) when the job failed"}
+    driver.handle_failures(start_up + [stopped], ranks)
+    assert set(driver.blacklist) == {ranks[3][0]} and not driver.cut_off
+
