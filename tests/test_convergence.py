@@ -72,6 +72,7 @@ def test_topk_with_its_defaults_matches_dense(tmp_path, dense):
     assert tk["wan_bytes_sent_per_step"] < 0.05 * dense["wan_bytes_sent_per_step"]
 
 
+@pytest.mark.slow   # (the default run's time; bench/bench_parity.py measures it over seeds)
 def test_cpu_engine_at_staleness_one_with_its_defaults_within_three_percent(tmp_path, dense):
     """The CPU engine overlapping its update with the next step (``hvd.CpuEngine()``: staleness
     1, its first 150 steps synchronous in place of the density warm-up, stale prediction) with

@@ -88,6 +88,7 @@ def test_start_and_end_have_deadlines(mode, what):
         assert re.search(r"rank 1 (\(host [^,]+, pid \d+\) )?never came", out), out[-3000:]
 
 
+@pytest.mark.slow   # (the default run's chaos sample sends garbage THC scales: tests/test_chaos_sample.py)
 def test_a_garbage_thc_scale_from_a_peer_ends_the_job():
     """A THC scale is agreed by one MAX over the clusters: a peer's NaN wins it, so every rank
     refuses the step (naming the ranks that agreed, not the sender: a MAX cannot tell)."""

@@ -19,7 +19,8 @@ SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py"]
 # slow repeat what another layout of the default run covers (they run with -m "")
 LAYOUTS = [
     ("np2-one-cluster", 2, {}, PYTEST),
-    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL),
+    # (local steps' agreement and refusals run in np3-uneven-2+1: two clusters, one of two ranks)
+    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py"]),
     pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
     ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
     pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
