@@ -73,13 +73,25 @@ def survivable(fault, launcher):
     return launcher == "elastic" or fault in ("nan", "cut-short")
 
 
-def hydras_to_name(fault, launcher):
-    """Plain mpirun and a SIGKILLed rank: hydra SIGKILLs every other rank at once, so no rank
-    can say which one died, and hydra's "BAD TERMINATION ... PID" names the first process it
-    lists (rank 0's), not the one that died (checked with a job of plain sleeps). The trial
-    then only needs the job to end with hydra's report; ``named`` still says whether the
-    failed rank was named (stellarun names it: its supervisor sees the signal)."""
-    return fault == "kill" and launcher == "mpirun"
+def hydras_to_name(fault, launcher, handled=True):
+    """Plain mpirun and a rank that dies of a signal it cannot handle (SIGKILL; SIGTERM before
+    any handler exists, i.e. before ``import stella_mpi``: the soak's script imports torch first,
+    as most scripts do): hydra SIGKILLs every other rank at once, so no rank can say which one
+    died, and hydra's "BAD TERMINATION ... PID" names the first process it lists (rank 0's), not
+    the one that died (checked with a job of plain sleeps). The trial then only needs the job
+    to end with hydra's report; ``named`` still says whether the failed rank was named
+    (stellarun names it: its supervisor sees the signal)."""
+    return launcher == "mpirun" and (fault == "kill" or (fault in SIGNALS and not handled))
+
+
+def _handles(pid, signum):
+    """Whether process ``pid`` has a handler for ``signum`` now (/proc's SigCgt mask)."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+        return bool(int(mask, 16) >> (int(signum) - 1) & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def _command(launcher, route, fault, rng, tmp, token, out):
@@ -162,7 +174,7 @@ def trial(index, seed, case=None, can_wan=True):
     log = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    fault_at, target, before, fault_unix, victim = None, None, None, None, None
+    fault_at, target, before, fault_unix, victim, handled = None, None, None, None, None, None
     if fault in SIGNALS or fault == "revoke":
         at = rng.uniform(0.3, 9.0) if fault in SIGNALS else None
         step = rng.randint(COMMIT + 1, STEPS - 5) if fault == "revoke" else None
@@ -180,6 +192,8 @@ def trial(index, seed, case=None, can_wan=True):
             else:
                 pid = rng.choice(sorted(ranks))
             target, victim = ranks[pid][0], pid
+            if fault in SIGNALS:
+                handled = _handles(pid, SIGNALS[fault])
             before = max([s for s, _, _ in eh.progress(log_path)] or [0])
             try:
                 os.kill(pid, signal.SIGKILL if fault == "revoke" else SIGNALS[fault])
@@ -242,7 +256,7 @@ def trial(index, seed, case=None, can_wan=True):
         verdict_ok = not hung and (ok_end or rc is not None)
     elif survivable(fault, launcher):
         verdict_ok = ok_end and (lost is None or lost <= COMMIT)
-    elif hydras_to_name(fault, launcher):
+    elif hydras_to_name(fault, launcher, handled is not False):
         verdict_ok = not ok_end and rc not in (0, None) and "BAD TERMINATION" in text
     else:
         verdict_ok = not ok_end and rc not in (0, None) and named
@@ -252,7 +266,7 @@ def trial(index, seed, case=None, can_wan=True):
     verdict_ok = not why
     since_fault = None if fault_at is None else round(gone_at - fault_at, 1)
     row = {"trial": index, "seed": seed, "route": route, "fault": fault, "launcher": launcher, "wan": plan["wan"],
-           "target": target, "pid": victim, "plan": {k: v for k, v in plan.items() if k != "listing"}, "applied": applied,
+           "target": target, "pid": victim, "handled": handled, "plan": {k: v for k, v in plan.items() if k != "listing"}, "applied": applied,
            "exit": rc, "hung": hung, "survived": ok_end, "named": named, "wrong": wrong, "steps_lost": lost,
            "seconds_to_end": since_fault, "procs_left": procs_left, "files_left": files_left,
            "namespaces_left": ns_left, "dirs_left": dirs_left, "mpich_files_cleaned": len(cleaned),
@@ -277,14 +291,16 @@ def table(rows):
             k[0], k[1], k[2], len(sel), len(app), sum(r["hung"] for r in sel),
             "%d/%d" % (sum(r["survived"] for r in app), len(app)) if surv else "-",
             "-" if surv else "%d/%d%s" % (sum(bool(r["named"]) for r in app), len(app),
-                                           "*" if hydras_to_name(k[1], k[2]) else ""),
+                                           "*" if any(hydras_to_name(k[1], k[2], r.get("handled") is not False)
+                                                      for r in app) else ""),
             sum(r["wrong"] for r in sel),
             sum(len(r["files_left"]) + len(r["namespaces_left"]) + len(r["dirs_left"]) + len(r["procs_left"])
                 for r in sel),
             max([r["seconds_to_end"] for r in app if r["seconds_to_end"] is not None] or [0])))
-    if any(hydras_to_name(k[1], k[2]) for k in keys):
-        lines.append("* plain mpirun, SIGKILL: hydra kills the other ranks at once and names rank 0's pid "
-                     "(hydras_to_name); stellarun names the rank")
+    if any(hydras_to_name(r["fault"], r["launcher"], r.get("handled") is not False) for r in rows):
+        lines.append("* plain mpirun, a signal the rank could not handle (SIGKILL, or SIGTERM before import "
+                     "stella_mpi): hydra kills the other ranks at once and names rank 0's pid (hydras_to_name); "
+                     "stellarun names the rank")
     return "\n".join(lines)
 
 
