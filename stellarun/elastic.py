@@ -34,6 +34,7 @@ rehearsed on a laptop. Other names are launched by hydra on those hosts (``-host
 import itertools
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -279,6 +280,13 @@ class ElasticDriver:
                 else []
             if silent:   # a deadline passed: the hosts of the ranks that did not answer (and were not cut off) failed
                 failed.update(ranks[s][0] for s in silent if self.cluster_of(ranks, s) not in cut)
+            elif rec.get("cause") == "collective":
+                # the rank that saw a collective fail is not the one that failed: the sender of a
+                # malformed payload is blamed where the message names it; otherwise nobody (a THC
+                # scale is agreed by one MAX, which cannot tell the sender): the reset retries
+                sender = re.search(r"rank (\d+) sent ", str(rec.get("detail", "")))
+                if sender and 0 <= int(sender.group(1)) < len(ranks):
+                    failed.add(ranks[int(sender.group(1))][0])
             else:
                 failed.add(ranks[r][0])
         for host in sorted(failed):

@@ -78,7 +78,8 @@ def test_one_stalled_rank_is_its_hosts_failure_not_a_cut(two):
 
 def test_records_without_silent_ranks_are_handled_as_before(two):
     driver, ranks = two
-    driver.handle_failures([{**_deadline(2, None), "cause": "collective"}], ranks)
+    # (a rank's own failure; a failed collective blames the sender it names: the test below)
+    driver.handle_failures([{**_deadline(2, None), "cause": "exception"}], ranks)
     assert not driver.cut_off and set(driver.blacklist) == {"127.0.0.1"}
 
 
@@ -260,4 +261,19 @@ def test_a_rank_stopped_at_start_up_blames_its_host_alone(two):
                "detail": "stopped (SIGSTOP or a debugger) when the job failed"}
     driver.handle_failures(start_up + [stopped], ranks)
     assert set(driver.blacklist) == {ranks[3][0]} and not driver.cut_off
+
+
+def test_a_failed_collective_blames_the_sender_it_names_or_nobody(two):
+    """The chaos soak: garbage THC scales from one rank made every receiver record a failed
+    collective, and their hosts (both) were blacklisted. A collective's record blames the sender
+    its message names ("rank N sent a malformed payload"), else nobody: the reset retries."""
+    driver, ranks = two
+    thc = [{"rank": r, "host": "vm", "pid": 1, "time": 0.0, "cause": "collective",
+            "detail": "THC scales of 'x' (step 3): the clusters' ranks [1, 3] agreed on scale nan"} for r in (1, 3)]
+    driver.handle_failures(thc, ranks)
+    assert not driver.blacklist and not driver.cut_off
+    sparse = [{"rank": 0, "host": "vm", "pid": 1, "time": 0.0, "cause": "collective",
+               "detail": "PeerPayloadError: rank 2 sent a malformed payload for 'x' (step 5)"}]
+    driver.handle_failures(sparse, ranks)
+    assert set(driver.blacklist) == {ranks[2][0]}
 
