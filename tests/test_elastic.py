@@ -136,15 +136,11 @@ def test_a_failure_on_another_host_is_reported_by_the_launching_host(tmp_path, m
                      r"script", text), text[-3000:]
     assert "raised an exception (not a lost host)" in text and "reset 1" not in text, text[-3000:]
     assert "stellarun-status:" not in text
+    from stellarun import status
     assert set(glob.glob("/tmp/stellarun-status-*")) - before <= {d for d in glob.glob("/tmp/stellarun-status-*")
-                                                                  if status_owner_alive(d)}   # (another job's)
+                                                                  if status.launcher_alive(d)}   # (another job's)
     # each pretend host's janitor cleans up after the job and ends
     assert eh.wait(lambda: not _janitors(), 30), "a janitor is still running"
-
-
-def status_owner_alive(directory):
-    from stellarun import status
-    return status.launcher_alive(directory)
 
 
 def _janitors():

@@ -221,10 +221,7 @@ class LocalStepsSync:
         """At the start of each step's synchronize (every rank calls it once per step, whether
         or not it then calls ``step()``): the anchor is taken before the first update, and an
         exchange still owed by a period whose last step never reached ``step()`` runs now."""
-        if not self.anchor:
-            self.capture()                  # the broadcast parameters, before the first update
-        if self._period_start is None:      # the first period (after a load): timed from here, not whole
-            self._period_start, self._timed = time.perf_counter(), False
+        self.before_step()
         if self.due:
             self._boundary(skipped=True)
 
@@ -244,9 +241,9 @@ class LocalStepsSync:
                 self._boundary(skipped=True)
 
     def before_step(self):
-        if not self.anchor:   # (a step() with no synchronize before it: nothing to reduce)
-            self.capture()
-        if self._period_start is None:
+        if not self.anchor:
+            self.capture()                  # the broadcast parameters, before the first update
+        if self._period_start is None:      # the first period (after a load): timed from here, not whole
             self._period_start, self._timed = time.perf_counter(), False
 
     def after_step(self):

@@ -1,4 +1,7 @@
 """Rank-seeded inputs that any rank can recompute for every other rank, and reference results."""
+import contextlib
+import dataclasses
+
 import torch
 
 import stella_mpi as hvd
@@ -68,3 +71,17 @@ def rank_batch(rank, step):
     """Rank ``rank``'s batch of step ``step`` (any rank can recompute any other's)."""
     g = torch.Generator().manual_seed(7919 * rank + step)
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+@contextlib.contextmanager
+def nonfinite_policy(name):
+    """STELLA_NONFINITE=``name`` on this rank for the block (every rank must enter it alike)."""
+    from stella_mpi.core import state
+    rt = state.current()
+    old = rt.config
+    rt.config = dataclasses.replace(old, nonfinite=name)
+    try:
+        yield
+    finally:
+        rt.config = old
+

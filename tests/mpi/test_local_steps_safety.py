@@ -8,17 +8,14 @@
 * a non-finite value in one cluster's parameters never reaches another cluster: the exchange is
   refused on every rank and every rank goes back to the agreed parameters (``skip``), or every
   rank raises NonFiniteGradientError (``raise``), whatever the pseudo-gradient's compression."""
-import contextlib
-import dataclasses
 import logging
 
 import pytest
 import torch
 
 import stella_mpi as hvd
-from reference import rank_batch, small_model
+from reference import nonfinite_policy, rank_batch, small_model
 from stella_mpi.base.errors import NonFiniteGradientError
-from stella_mpi.core import state
 from stella_mpi.core.process_sets import global_process_set
 
 
@@ -38,17 +35,6 @@ def _cluster():
 
 def _last_cluster():
     return _cluster() == _clusters() - 1
-
-
-@contextlib.contextmanager
-def _policy(name):
-    rt = state.current()
-    old = rt.config
-    rt.config = dataclasses.replace(old, nonfinite=name)
-    try:
-        yield
-    finally:
-        rt.config = old
 
 
 def _optimizer(model, **local_steps):
@@ -217,7 +203,7 @@ def test_raise_policy_raises_the_refused_exchange_on_every_rank(pseudo):
     opt = _optimizer(model, every=4, **PSEUDO[pseudo]())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     errors = []
-    with _policy("raise"):
+    with nonfinite_policy("raise"):
         _train_poisoned(opt, model, 16, 4, errors)
         exchange = [(step, e) for step, e in errors if "local steps: exchange" in e]
         # every rank raised for the exchange, at the same step (the NaN cluster's own inner steps may

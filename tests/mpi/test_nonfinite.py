@@ -2,29 +2,16 @@
 engine): by default the step (the CPU engine: that bucket's update) is skipped on every rank and
 no non-finite value reaches the parameters or a residual; with STELLA_NONFINITE=raise every rank
 raises NonFiniteGradientError and the optimizer stays usable."""
-import contextlib
-import dataclasses
 
 import pytest
 import torch
 
 import stella_mpi as hvd
-from reference import rank_batch, small_model
+from reference import nonfinite_policy, rank_batch, small_model
 from stella_mpi.base.errors import NonFiniteGradientError
 from stella_mpi.core import state
 
 BAD_STEP = 2
-
-
-@contextlib.contextmanager
-def _policy(name):
-    rt = state.current()
-    old = rt.config
-    rt.config = dataclasses.replace(old, nonfinite=name)
-    try:
-        yield
-    finally:
-        rt.config = old
 
 
 def _bad_rank():
@@ -134,7 +121,7 @@ def test_raise_policy_raises_on_every_rank_and_training_goes_on(path):
               "cpu": {"engine": hvd.CpuEngine(staleness=0)}}[path]
     if path == "cpu" and not hvd.global_process_set.topology.uniform_clusters:
         pytest.skip("engine='cpu' needs clusters of equal size")
-    with _policy("raise"):
+    with nonfinite_policy("raise"):
         model, _, errors = _train(5, "entry", **kwargs)
     assert [step for step, _ in errors] == [BAD_STEP], errors
     assert "rank %d" % _bad_rank() in str(errors[0][1])
