@@ -64,7 +64,7 @@ class MpiIntra:
         pass
 
 
-def _store_host(members_on_one_node, ifname):
+def store_host(members_on_one_node, ifname):
     if members_on_one_node:
         return "127.0.0.1"
     if ifname:
@@ -77,6 +77,38 @@ def _store_host(members_on_one_node, ifname):
         finally:
             s.close()
     return socket.gethostbyname(socket.gethostname())
+
+
+def rendezvous_store(rank, size, host, timeout, share):
+    """A torch.distributed TCPStore for ``size`` ranks, with no address or port from the user:
+    rank 0 listens on a free port of ``host`` (its argument; the others pass None), and
+    ``share(addr)`` (an MPI broadcast from rank 0: rank 0 passes its address, the others None)
+    gives every rank that address. The store listens on that address only (torch's own would
+    listen on every address of the machine)."""
+    store = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(128)
+            port = listener.getsockname()[1]
+        except OSError:
+            listener.close()
+            raise
+        fd = listener.detach()   # the store owns the socket from then on
+        try:
+            store = dist.TCPStore(host, port, size, True, timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        addr = (host, store.port)
+    else:
+        addr = None
+    host, port = share(addr)
+    if store is None:
+        store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    return store
 
 
 # dtypes gloo cannot reduce; they go through MPI on the same cluster communicator
@@ -106,32 +138,8 @@ class TorchIntra:
         self.rank = comm.Get_rank()
         self.name = backend
         timeout = timedelta(seconds=deadline.timeout_s)
-        host = _store_host(one_node, ifname) if self.rank == 0 else None
-        store = None
-        if self.rank == 0:
-            # the store listens on a socket of ours, bound to that address only (torch's own
-            # would listen on every address of the machine); the store owns it from then on
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                listener.bind((host, 0))
-                listener.listen(128)
-                port = listener.getsockname()[1]
-            except OSError:
-                listener.close()
-                raise
-            fd = listener.detach()
-            try:
-                store = dist.TCPStore(host, port, self.size, True, timeout=timeout, wait_for_workers=False,
-                                      master_listen_fd=fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            addr = (host, store.port)
-        else:
-            addr = None
-        host, port = bcast_json(comm, addr, 0, deadline, "gloo rendezvous")
-        if store is None:
-            store = dist.TCPStore(host, port, self.size, False, timeout=timeout)
+        store = rendezvous_store(self.rank, self.size, store_host(one_node, ifname) if self.rank == 0 else None,
+                                 timeout, lambda addr: bcast_json(comm, addr, 0, deadline, "gloo rendezvous"))
         self.store = store
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
