@@ -110,8 +110,9 @@ def _fmt(value):
         return "%.4g" % value
     if isinstance(value, int):
         return str(value)
-    if isinstance(value, str):
-        return value.replace("|", "\\|").replace("\n", " ")
+    if isinstance(value, str):   # text from a JSON never turns into markup (a link, a tag, emphasis)
+        return _MD_SPECIAL.sub(lambda m: _MD_ESCAPES.get(m.group(0), "\\" + m.group(0)),
+                               value.replace("\n", " "))
     if isinstance(value, list):
         if not value:
             return "none"
@@ -121,6 +122,15 @@ def _fmt(value):
     if isinstance(value, dict):
         return "%d keys" % len(value)
     return _fmt(str(value))
+
+
+_MD_SPECIAL = re.compile(r"[\\`*_\[\]<>|&]")
+_MD_ESCAPES = {"<": "&lt;", ">": "&gt;", "&": "&amp;"}
+
+
+def _code(text):
+    """``text`` as a code span (a backtick inside it becomes a quote)."""
+    return _Raw("`%s`" % str(text).replace("`", "'"))
 
 
 def _scalar(value):
@@ -138,7 +148,7 @@ class _Raw(str):
 
 
 def _kv_table(mapping, key_title="key", value_title="value"):
-    return _table([key_title, value_title], [(_Raw("`%s`" % k), v) for k, v in mapping.items()])
+    return _table([key_title, value_title], [(_code(k), v) for k, v in mapping.items()])
 
 
 def _flatten(record, prefix="", depth=0):
@@ -174,9 +184,9 @@ def _records_table(records, first=None, skip=(), label=None):
         cols = [c for c in first if c in cols] + [c for c in cols if c not in first]
     if len(cols) > 12 and len(rows) <= 6:   # few records of many fields: one column per record
         key = cols[0]
-        return _table(["`%s`" % key] + [_fmt(r.get(key)) for r in rows],
-                      [[_Raw("`%s`" % c)] + [r.get(c) for r in rows] for c in cols[1:]])
-    return _table(["`%s`" % c for c in cols], [[r.get(c) for c in cols] for r in rows])
+        return _table([_code(key)] + [_fmt(r.get(key)) for r in rows],
+                      [[_code(c)] + [r.get(c) for r in rows] for c in cols[1:]])
+    return _table([_code(c) for c in cols], [[r.get(c) for c in cols] for r in rows])
 
 
 def _summary_of_records(records):
@@ -203,7 +213,7 @@ def _summary_of_records(records):
             for v in values:
                 counts[v] = counts.get(v, 0) + 1
             lines.append((k, ", ".join("%s %d" % (_fmt(v), n) for v, n in sorted(counts.items(), key=lambda x: -x[1]))))
-    return "%d records.\n\n" % len(rows) + _table(["field", "values"], [(_Raw("`%s`" % k), v) for k, v in lines])
+    return "%d records.\n\n" % len(rows) + _table(["field", "values"], [(_code(k), _Raw(v)) for k, v in lines])
 
 
 def _generic(data, skip=("command", "provenance")):
@@ -219,7 +229,7 @@ def _generic(data, skip=("command", "provenance")):
     for k, v in data.items():
         if k in skip or k in scalars:
             continue
-        parts.append("**`%s`**\n" % k)
+        parts.append("**%s**\n" % _code(k))
         if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
             parts.append(_records_table(v) if len(v) <= MAX_ROWS else _summary_of_records(v))
         elif isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
@@ -241,7 +251,7 @@ def _parity(data):
     rows = []
     for r in data["results"]:
         ratio = r.get("loss_vs_dense")
-        rows.append((_Raw("`%s`" % r.get("variant")), r.get("validation_loss"),
+        rows.append((_code(r.get("variant")), r.get("validation_loss"),
                      _Raw("%+.1f %%" % ((ratio - 1) * 100)) if isinstance(ratio, (int, float)) else None,
                      _Raw("%.1f" % (r["wan_bytes_per_step"] / 1000)) if isinstance(
                          r.get("wan_bytes_per_step"), (int, float)) else None))
@@ -261,16 +271,16 @@ def _time_to_loss(data):
         if not isinstance(m, dict):
             continue
         if m.get("error"):
-            rows.append((_Raw("`%s`" % mode), _Raw("failed"), None, None, None, None, None, None))
+            rows.append((_code(mode), _Raw("failed"), None, None, None, None, None, None))
             continue
-        rows.append((_Raw("`%s`" % mode), m.get("final_loss"), m.get("steps"), m.get("ms_per_step"),
+        rows.append((_code(mode), m.get("final_loss"), m.get("steps"), m.get("ms_per_step"),
                      m.get("wan_mb_per_step"), m.get("time_to_target_s"), m.get("to_peer_loss_s"),
                      m.get("peer_time_over_this")))
     parts.append(_table(["mode", "final held-out loss", "steps", "ms/step", "WAN MB/step", "time to target (s)",
                          "time to the best peer's final loss (s)", "best peer's time / this"], rows))
     for key in ("best_peer", "automatic"):
         if isinstance(table.get(key), dict):
-            parts.append("**`%s`**\n" % key)
+            parts.append("**%s**\n" % _code(key))
             parts.append(_kv_table(table[key]))
     auto = (data.get("runs") or {}).get("auto")
     if isinstance(auto, dict) and auto.get("route_changes"):
@@ -291,7 +301,7 @@ def _gpu(data):
     parts = [_kv_table({k: v for k, v in data.items() if k not in ("command", "provenance") and _scalar(v)})]
     for key, label in (("selection", "n"), ("steps", "model"), ("cpu_engine", "model")):
         if data.get(key):
-            parts.append("**`%s`**\n" % key)
+            parts.append("**%s**\n" % _code(key))
             parts.append(_records_table(data[key], label=label))
     return "\n".join(parts)
 
@@ -306,7 +316,7 @@ def _chaos(data):
         parts.append("**The trials that failed**\n")
         parts.append(_table(["trial", "route", "fault", "launcher", "why", "replay"],
                             [(t.get("trial"), t.get("route"), t.get("fault"), t.get("launcher"),
-                              "; ".join(map(str, t.get("why") or [])), _Raw("`%s`" % t.get("replay")))
+                              "; ".join(map(str, t.get("why") or [])), _code(t.get("replay")))
                              for t in failed]))
     parts.append("**Every trial, by field**\n")
     parts.append(_summary_of_records(trials))
@@ -366,14 +376,14 @@ def _provenance(data):
 
 def render_file(path, pngs=(), img_prefix="img/"):
     name = os.path.basename(path)
-    out = ["## `%s`\n" % name]
+    out = ["## %s\n" % _code(name)]
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError) as e:
         return "\n".join(out + ["*Could not be read: %s*\n" % _fmt(str(e))])
     if isinstance(data, dict) and data.get("command"):
-        out.append("Command: `%s`\n" % str(data["command"]).replace("`", "'"))
+        out.append("Command: %s\n" % _code(data["command"]))
     render = _shape(data)
     try:
         out.append(render(data))
