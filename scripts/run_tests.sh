@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up, then run the C tests (plain, with ASan+UBSan, with TSan) and the Python tests.
-# Long runs (fuzzing, WAN benchmarks) have their own commands; see README.md.
+# Long runs (fuzzing, WAN benchmarks) have their own commands; see docs/results/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

@@ -13,5 +13,7 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q "torch==2.13.0" numpy "cffi>=1.16" "mpi4py>=4" mpich pytest pytest-benchmark hypothesis
 # the plot extra: the main job's PNG and bench/report.py (stella_mpi itself never imports it)
 python -m pip install -q matplotlib
+# the docs extra: mkdocs build --strict runs in the default tests
+python -m pip install -q mkdocs mkdocs-material "mkdocstrings[python]"
 python -m pip install -q --no-build-isolation -e .
 python -c "import stella_mpi, stella_mpi._native as n; print('stella_mpi ready; SIMD paths:', n.simd_levels_available())"
