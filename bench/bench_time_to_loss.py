@@ -328,7 +328,7 @@ def main():
                     continue
                 done[mode] = run_one(rate, mode, args, tmp)
                 with open(partial, "w") as f:
-                    json.dump({"settings": vars(args), "runs": runs}, f)
+                    json.dump({"settings": vars(args), "provenance": provenance(), "runs": runs}, f)
     table = summarize(runs, args.target_loss)
     print_table(table, args.seconds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

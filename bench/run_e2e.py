@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+from provenance import provenance
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 MODES = {"comm": ["compute", "ddp", "dense", "sparse:cacheaware", "sparse:topk", "sparse:threshold",
@@ -169,7 +171,7 @@ def main():
     print_table(table)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "e2e.json"), "w") as f:
-        json.dump({"args": vars(args), "table": table}, f, indent=1)
+        json.dump({"args": vars(args), "provenance": provenance(), "table": table}, f, indent=1)
     for name in plot(table, args):
         print("wrote", name)
 
