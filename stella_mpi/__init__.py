@@ -44,4 +44,4 @@ from .optim.outer_sync import LocalSteps  # noqa: F401,E402
 from .optim.spec import CpuEngine  # noqa: F401,E402
 from . import elastic  # noqa: F401,E402
 
-from ._version import __version__  # noqa: F401,E402  (the one place it is written)
+from .base.version import __version__  # noqa: F401,E402  (the one place it is written)

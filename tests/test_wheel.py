@@ -64,7 +64,7 @@ def test_wheel_installs_in_a_fresh_venv_and_trains_under_stellarun(tmp_path):
     with tarfile.open(sdists[0]) as t:
         names = t.getnames()
     for src in ("c_src/stella_common.h", "c_src/thc.c", "LICENSE", "README.md", "setup.py", "pyproject.toml",
-                "stella_mpi/_native/build_ffi.py", "stella_mpi/_version.py"):
+                "stella_mpi/_native/build_ffi.py", "stella_mpi/base/version.py"):
         assert any(n.endswith("/" + src) for n in names), src
     with zipfile.ZipFile(wheels[0]) as z:
         names = z.namelist()
@@ -103,7 +103,7 @@ def test_wheel_installs_in_a_fresh_venv_and_trains_under_stellarun(tmp_path):
     for path in where[:2]:
         assert path.startswith(purelib + os.sep), (path, purelib)
         assert not os.path.realpath(path).startswith(os.path.realpath(ROOT) + os.sep), path
-    with open(os.path.join(ROOT, "stella_mpi", "_version.py")) as f:
+    with open(os.path.join(ROOT, "stella_mpi", "base", "version.py")) as f:
         assert where[2] == f.read().split("__version__ = ")[1].split()[0].strip("\"'")
 
     # 3. the installed stellarun trains the example (copied next to its data helper) on 2 clusters
