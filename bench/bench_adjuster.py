@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from provenance import provenance
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -56,7 +58,8 @@ def write_trace(decisions_file, cmd, path):
     with open(decisions_file) as f:
         d = json.load(f)
     with open(path, "w") as f:
-        json.dump({"source": " ".join(["stellarun"] + cmd[1:]) + " (rank 0)", "settings": d["settings"],
+        json.dump({"source": " ".join(["stellarun"] + cmd[1:]) + " (rank 0)",
+                   "provenance": d.get("provenance") or provenance(), "settings": d["settings"],
                    "overlap": d["overlap"], "start_density": d["start_density"], "windows": d["trace"]}, f)
 
 
@@ -157,7 +160,7 @@ def main():
                   % (label, s["density_changes_at_steps"], s["recovery_steps_after_density_changes"]))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "adjuster.json"), "w") as f:
-        json.dump({"args": vars(args), "target_loss": target, "summary": summary,
+        json.dump({"args": vars(args), "provenance": provenance(), "target_loss": target, "summary": summary,
                    "runs": {k: v.get("records", v) for k, v in results.items()},
                    "wan_changes": {k: v.get("launcher_output") for k, v in ok.items()}}, f, indent=1)
     try:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import stella_mpi as hvd
 from stella_mpi.core import state
 from baseline_dist import init_gloo_world
+from provenance import provenance
 
 
 def timed(fn, reps):
@@ -103,7 +104,7 @@ def main():
                                                     result["agreement_round_us_mean"]))
         os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "allreduce.json"), "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(dict(result, provenance=provenance()), f, indent=1)
     dist.destroy_process_group()
     hvd.shutdown()
 

@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import elastic_harness as eh  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 OUTAGE_AT_S = 12   # --outage: the link goes down this long after the emulation starts
@@ -118,7 +119,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "settings": vars(args),
-                   "results": rows}, f, indent=1)
+                   "provenance": provenance(), "results": rows}, f, indent=1)
     print("wrote", args.out)
 
 

@@ -37,6 +37,7 @@ import stella_mpi as hvd  # noqa: E402
 from e2e_train import RandomTask, comm_heavy_model, timed_optimizer_steps  # noqa: E402
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
 from stella_mpi.core import state  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def small_collective(reps):
@@ -168,8 +169,8 @@ def main():
         out = args.out or os.path.join(HERE, "results", "negotiation_np%d_c%d.json" % (size, clusters))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "size": size, "clusters": clusters, "results": summary}, f,
-                      indent=1)
+            json.dump({"command": " ".join(sys.argv), "provenance": provenance(), "size": size, "clusters": clusters,
+                       "results": summary}, f, indent=1)
     hvd.shutdown()
 
 

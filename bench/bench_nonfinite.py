@@ -26,6 +26,7 @@ from e2e_train import RandomTask, comm_heavy_model, timed_optimizer_steps  # noq
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
 from stella_mpi.core import state  # noqa: E402
 from stella_mpi.core.nonfinite import has_nonfinite  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def workloads(rank):
@@ -93,8 +94,8 @@ def main():
     if hvd.rank() == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "size": hvd.size(), "clusters": hvd.num_clusters(),
-                       "results": results}, f, indent=1)
+            json.dump({"command": " ".join(sys.argv), "provenance": provenance(), "size": hvd.size(),
+                       "clusters": hvd.num_clusters(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

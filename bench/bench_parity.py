@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+from progress import Progress
 from provenance import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,9 +113,16 @@ def main():
     args = p.parse_args()
     names = ["dense"] + [v for v in args.variants if v != "dense"]
     rows = []
+    progress = Progress(len(names))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            r = run(name, args, tmp)
+            progress.start(name)
+            try:
+                r = run(name, args, tmp)
+            except SystemExit:
+                progress.end(name, failed=True)
+                raise
+            progress.end(name, "held-out loss %.4f" % r["validation_loss"])
             rows.append({"variant": name, "validation_loss": r["validation_loss"],
                          "wan_bytes_per_step": r["wan_bytes_sent_per_step"]})
             dense = rows[0]["validation_loss"]

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "mpi"))
 
 from stella_mpi._native import compress as kernels  # noqa: E402
 from stella_mpi.compression import device_select  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 BLOCK = 16
 
@@ -162,8 +163,8 @@ def main():
         rows += measure(name, model, batch, args.steps, args.density, int(16 / args.density))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "density": args.density, "steps": args.steps, "layers": rows}, f,
-                  indent=1)
+        json.dump({"command": " ".join(sys.argv), "provenance": provenance(), "density": args.density,
+                   "steps": args.steps, "layers": rows}, f, indent=1)
     print("wrote", args.out)
 
 

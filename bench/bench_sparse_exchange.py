@@ -20,6 +20,7 @@ import time
 import torch
 
 import stella_mpi as hvd
+from provenance import provenance
 
 
 def gradient_set(seed):
@@ -120,7 +121,8 @@ def main():
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "sparse_exchange.json"), "w") as f:
-            json.dump({"parameters": nparams, "ranks": hvd.size(), "clusters": hvd.num_clusters(),
+            json.dump({"provenance": provenance(), "parameters": nparams, "ranks": hvd.size(),
+                       "clusters": hvd.num_clusters(),
                        "steps": args.steps, "summary": summary}, f, indent=1)
     hvd.shutdown()
 

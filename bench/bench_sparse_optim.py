@@ -32,6 +32,7 @@ import torch
 
 from stella_mpi._native.pool import CpuPool
 from stella_mpi.optim.sparse_optim import SparseAdam, SparseSGD
+from provenance import provenance
 
 
 def make_lists(rng, n, k, order, count):
@@ -131,7 +132,8 @@ def main():
                 torch.set_num_threads(prev)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"allowed_cores": allowed, "torch": torch.__version__, "reps": args.reps, "lists": args.lists,
+        json.dump({"provenance": provenance(), "allowed_cores": allowed, "torch": torch.__version__, "reps": args.reps,
+                   "lists": args.lists,
                    "rows": rows}, f, indent=1)
     print("wrote", args.out)
 

@@ -30,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 import stella_mpi as hvd
+from provenance import provenance
 
 
 def make_model(width, depth, seed=0):
@@ -145,7 +146,8 @@ def main():
             print("  %s, ms per step: " % ph + ", ".join("%s %.1f" % (k[:-2], 1e3 * v) for k, v in per_step[ph].items()))
         if args.json_out:
             with open(args.json_out, "w") as f:
-                json.dump({"args": vars(args), "ranks": hvd.size(), "clusters": hvd.num_clusters(), "wan": _rate(),
+                json.dump({"args": vars(args), "provenance": provenance(), "ranks": hvd.size(),
+                           "clusters": hvd.num_clusters(), "wan": _rate(),
                            "parameters": nparams, "wan_bytes_per_rank_step": wan_per_step, "median_s": med, "all_s": times, "engine_per_step_s": per_step},
                           f, indent=1)
     hvd.shutdown()

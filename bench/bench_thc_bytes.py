@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 
+from provenance import provenance
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 CONFIGS = [("thc4", "thc", {"bits": 4}), ("thc2", "thc", {"bits": 2}), ("cacheaware1%", "cacheaware", {"density": 0.01}),
@@ -101,7 +103,8 @@ def main():
         print("%-9d" % c + "".join("%16.3f" % rows[c][lab]["seconds"] for lab in labels))
     cmd = "bench/bench_thc_bytes.py " + " ".join(sys.argv[1:])
     with open(os.path.join(RESULTS, "thc_bytes.json"), "w") as f:
-        json.dump({"command": cmd.strip(), "numel": args.numel, "rows": {str(c): rows[c] for c in args.clusters}}, f, indent=1)
+        json.dump({"command": cmd.strip(), "provenance": provenance(), "numel": args.numel,
+                   "rows": {str(c): rows[c] for c in args.clusters}}, f, indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")

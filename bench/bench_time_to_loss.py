@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 
+from progress import Progress
 from provenance import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -319,6 +320,9 @@ def main():
         if not same:
             raise SystemExit("--resume: %s was written with other settings: %s" % (partial, kept["settings"]))
         runs = {rate: {m: r for m, r in modes.items() if "error" not in r} for rate, modes in kept["runs"].items()}
+    todo = [(rate, mode) for rate in args.rates for mode in args.modes or PRESETS[args.preset]
+            if mode not in runs.get(rate, {})]
+    progress = Progress(len(todo))
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
             done = runs.setdefault(rate, {})
@@ -326,9 +330,13 @@ def main():
                 if mode in done:
                     print("  %s %s ... kept from %s" % (rate, mode, partial))
                     continue
+                progress.start("%s %s" % (rate, mode))
                 done[mode] = run_one(rate, mode, args, tmp)
+                err = done[mode].get("error")
+                progress.end("%s %s" % (rate, mode), (err.strip().splitlines() or [""])[-1][:100] if err else
+                             "held-out loss %.4f" % done[mode]["validation_loss"], failed=bool(err))
                 with open(partial, "w") as f:
-                    json.dump({"settings": vars(args), "runs": runs}, f)
+                    json.dump({"settings": vars(args), "provenance": provenance(), "runs": runs}, f)
     table = summarize(runs, args.target_loss)
     print_table(table, args.seconds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

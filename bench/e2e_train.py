@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
 from baseline_dist import init_gloo_world  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def comm_heavy_model():
@@ -314,7 +315,8 @@ def main():
     session = getattr(getattr(opt, "_tuner", None), "session", None) or getattr(opt, "_session", None)
     if hvd and args.decisions_out and session is not None:
         with open("%s.rank%d" % (args.decisions_out, rank), "w") as f:
-            json.dump({"decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
+            json.dump({"provenance": provenance(),
+                       "decisions": [(s, d.density, d.passes, d.reason) for s, d in opt.adjust_decisions],
                        "trace": list(session.trace), "settings": vars(session.settings),
                        "overlap": session.controller.overlap, "start_density": session.start_density,
                        "mode_switches": [(s, m) for s, m, _ in getattr(opt, "mode_switches", [])],
@@ -322,7 +324,8 @@ def main():
     val = curve[-1]["validation_loss"] if curve and curve[-1]["step"] == len(records) else held_out_loss()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val, "curve": curve,
+            json.dump({"provenance": provenance(), "mode": args.mode, "workload": args.workload, "records": records,
+                       "validation_loss": val, "curve": curve,
                        "target_loss": args.target_loss, "window": args.window, "reached": reached,
                        "clusters": hvd.num_clusters() if hvd else None,
                        "mode_switches": getattr(opt, "mode_switches", None),

@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from wan_main_job import time_to  # noqa: E402  (one definition of "time to a loss")
+from provenance import provenance  # noqa: E402
 
 
 def table(folder, target=None):
@@ -55,7 +56,8 @@ def main():
                 "%.1fx" % r["dense_over_this"] if r["dense_over_this"] else "-"))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            # provenance: the machine and versions that made this table (each run's own JSON names its GPU)
+            json.dump({"command": " ".join(sys.argv), "provenance": provenance(), "tables": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ file holds, whatever bench wrote it:
   (``*_vs_*``, ``ratio``) in a panel of their own with a line at 1 (the baseline), on a log scale
   when they span more than a factor of 100.
 
+The top-level "provenance" (the commit, versions and machine: bench/provenance.py) is not drawn.
+
 Needs matplotlib (``pip install stella_mpi[plot]``; not a dependency of stella_mpi itself).
 """
 import argparse
@@ -52,7 +54,8 @@ def scalars(node, path=""):
     out = []
     if isinstance(node, dict):
         for k, v in node.items():
-            out += scalars(v, "%s.%s" % (path, k) if path else str(k))
+            if k != "provenance" or path:   # (what produced the result, not a result: bench/provenance.py)
+                out += scalars(v, "%s.%s" % (path, k) if path else str(k))
     elif _number(node):
         out.append((path, float(node)))
     return out

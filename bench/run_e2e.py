@@ -26,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 
+from progress import Progress
+from provenance import provenance
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 MODES = {"comm": ["compute", "ddp", "dense", "sparse:cacheaware", "sparse:topk", "sparse:threshold",
@@ -157,19 +160,24 @@ def main():
     args = p.parse_args()
     from stellarun.shaping import parse_rate
     table = {}
+    modes_of = {w: (args.modes.split(",") if args.modes else MODES[w]) for w in args.workloads.split(",")}
+    progress = Progress(sum(len(m) for m in modes_of.values()) * len(args.rates.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):
             for rate in args.rates.split(","):
                 rows = table.setdefault(workload, {}).setdefault(rate, {})
-                for mode in (args.modes.split(",") if args.modes else MODES[workload]):
-                    print("running %s %s at %s ..." % (workload, mode, rate), flush=True)
+                for mode in modes_of[workload]:
+                    label = "%s %s at %s" % (workload, mode, rate)
+                    print("running %s ..." % label, flush=True)
+                    progress.start(label)
                     res = run_one(workload, rate, mode, args, tmp)
+                    progress.end(label, failed="error" in res)
                     rows[mode] = summarize(res) if "error" not in res else res
                 add_ratios(rows, parse_rate(rate))
     print_table(table)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "e2e.json"), "w") as f:
-        json.dump({"args": vars(args), "table": table}, f, indent=1)
+        json.dump({"args": vars(args), "provenance": provenance(), "table": table}, f, indent=1)
     for name in plot(table, args):
         print("wrote", name)
 

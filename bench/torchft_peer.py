@@ -59,6 +59,7 @@ sys.path.insert(0, HERE)
 # e2e_train puts examples/ on the path and brings the workloads and the cluster layout
 from e2e_train import RandomTask, cluster_ranks, comm_heavy_model  # noqa: E402
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def parse_mode(mode):
@@ -363,7 +364,8 @@ def main():
                 "batches_committed": manager.batches_committed(), **info}
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"mode": args.mode, "workload": args.workload, "records": records, "validation_loss": val,
+            json.dump({"provenance": provenance(), "mode": args.mode, "workload": args.workload, "records": records,
+                       "validation_loss": val,
                        "curve": curve, "target_loss": args.target_loss, "window": args.window, "reached": reached,
                        "clusters": info["replicas"], "mode_switches": None,
                        "parameters": sum(q.numel() for q in model.parameters()),

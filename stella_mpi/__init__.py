@@ -45,4 +45,4 @@ from .optim.outer_sync import LocalSteps  # noqa: F401,E402
 from .optim.spec import CpuEngine  # noqa: F401,E402
 from . import elastic  # noqa: F401,E402
 
-__version__ = "0.1.0"
+from .base.version import __version__  # noqa: F401,E402  (the one place it is written)

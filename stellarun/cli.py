@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 
-from . import config_file, elastic, leftovers, shaping, status
+from . import config_file, elastic, leftovers, progress, shaping, status
 from .rank import OUTPUT_DIR_VAR, die_with_parent
 from .wan import WanEmulation, namespaces_available, reap_stale
 
@@ -222,7 +222,7 @@ def run_with_wan(args):
     if not args.command:
         raise UsageError("stellarun: no command to run")
     emu, setup, teardown = wan_emulation(args, clusters)
-    return run_job(args, lambda status_dir: build_wan_command(args, emu, status_dir), setup, teardown)
+    return run_job(args, counted(lambda status_dir: build_wan_command(args, emu, status_dir), args.np), setup, teardown)
 
 
 def wan_emulation(args, clusters):
@@ -237,6 +237,9 @@ def wan_emulation(args, clusters):
 
     def setup():
         if emu is not None:
+            progress.say("setting up the emulated WAN (%d clusters, %.0f Mbit/s: network namespaces, tc tbf%s)..."
+                         % (clusters, rate / 1e6, ", TUN devices and a %g ms delay forwarder" % (delay * 1e3)
+                            if delay else ""))
             stale = reap_stale()
             if stale:
                 print("stellarun: removed %s left by launchers that no longer run" % ", ".join(stale), flush=True)
@@ -341,6 +344,10 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
                                         stderr=subprocess.PIPE)
                 copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, markers), daemon=True)
                 copier.start()
+                nranks = getattr(command_for, "nranks", None)
+                progress.say("waiting for %s to start (MPI_Init, hvd.init(); up to %g s)"
+                             % ("%d ranks" % nranks if nranks else "the ranks",
+                                progress.start_timeout(args, os.environ)))
             while proc is not None:
                 try:
                     rc = proc.wait(timeout=0.1)
@@ -402,10 +409,23 @@ def run_job(args, command_for, setup=None, teardown=None, records_out=None):
     return 0
 
 
+def counted(command_for, nranks):
+    """``command_for`` (status_dir -> mpirun command) noting its job's number of ranks, which
+    run_job says it waits for."""
+    command_for.nranks = nranks
+    return command_for
+
+
+def job_ranks(args):
+    """The number of ranks of a plain job: -np, else the slots of -H, else Slurm's (0: unknown)."""
+    slots = parse_hosts(args.hosts) if args.hosts else None
+    return args.np or (sum(n for _, n in slots) if slots else 0) or int(os.environ.get("SLURM_NTASKS", "0") or 0)
+
+
 def build_command(args, status_dir):
     cmd = [args.mpirun or find_mpirun()]
     slots = parse_hosts(args.hosts) if args.hosts else None
-    np_ = args.np or (sum(n for _, n in slots) if slots else 0) or int(os.environ.get("SLURM_NTASKS", "0") or 0)
+    np_ = job_ranks(args)
     if np_ <= 0:
         raise UsageError("stellarun: give the number of ranks with -np N")
     cmd += ["-np", str(np_)]
@@ -493,7 +513,8 @@ def run_elastic(args):
             raise UsageError("stellarun: --blacklist-cooldown-range expects MIN MAX seconds with 0 <= MIN <= MAX")
     if not args.wan:
         return elastic.elastic_main(
-            args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir)),
+            args, lambda segments: counted(lambda status_dir: build_segments_command(args, segments, status_dir),
+                                           len(segments)),
             lambda command_for, records: run_job(args, command_for, records_out=records))
     # --elastic --wan: one namespace per cluster label, for the whole job (hosts come and go)
     clusters = []
@@ -518,8 +539,8 @@ def run_elastic(args):
             signal.signal(s, end)
         setup()
         return elastic.elastic_main(
-            args, lambda segments: (lambda status_dir: build_segments_command(args, segments, status_dir,
-                                                                                (emu, clusters))),
+            args, lambda segments: counted(lambda status_dir: build_segments_command(args, segments, status_dir,
+                                                                                     (emu, clusters)), len(segments)),
             lambda command_for, records: run_job(args, command_for, records_out=records))
     finally:
         for s in stop:
@@ -593,6 +614,9 @@ def parse(argv):
     p.add_argument("--start-timeout", type=float, metavar="SECONDS",
                    help="seconds for every rank to start (MPI_Init and hvd.init()); STELLA_TIMEOUT by default")
     p.add_argument("--verbose", action="store_true", help="print the mpirun command and log at info level")
+    p.add_argument("--quiet", action="store_true",
+                   help="leave out the lines on stderr that say what stellarun waits for (WAN set-up, ranks "
+                        "starting, elastic hosts)")
     p.add_argument("--config-file", metavar="FILE",
                    help="horovodrun's YAML config file (params, timeline, stall_check, logging); the command line wins")
     p.add_argument("--fusion-threshold-mb", type=float, help="gradient bucket size in MiB (HOROVOD_FUSION_THRESHOLD)")
@@ -647,6 +671,7 @@ def main(argv=None):
 
 def _main(argv):
     args = parse(sys.argv[1:] if argv is None else argv)
+    progress.QUIET = args.quiet
     if args.since is not None and not args.clean:
         raise UsageError("stellarun: --since goes with --clean")
     if args.clean:
@@ -667,7 +692,7 @@ def _main(argv):
                              "real hosts")
         return run_with_wan(args)
     build_command(args, "")   # usage errors before anything starts
-    return run_job(args, lambda status_dir: build_command(args, status_dir))
+    return run_job(args, counted(lambda status_dir: build_command(args, status_dir), job_ranks(args)))
 
 
 if __name__ == "__main__":

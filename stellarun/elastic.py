@@ -43,6 +43,8 @@ import tempfile
 import threading
 import time
 
+from . import progress
+
 RESET_EXIT = 75        # a rank leaving for a reset (stella_mpi/elastic/worker.py's EXIT_RESET)
 DISCOVERY_INTERVAL_S = 1.0
 CUT_RETRY_S = 30.0     # a cluster cut off by its link is tried again after this, doubling each time ...
@@ -168,11 +170,24 @@ class ElasticDriver:
         return why is None
 
     def wait_for_hosts(self):
-        deadline = time.monotonic() + self.args.elastic_timeout
+        start = time.monotonic()
+        deadline = start + self.args.elastic_timeout
+        waited = False
         while True:
             hosts = self.usable(self.discovery.hosts())
             if sum(n for _, n in hosts) >= self.min_np:
+                if waited:
+                    progress.say("elastic: %d slots after %.0f s; forming the job" % (
+                        sum(n for _, n in hosts), time.monotonic() - start))
                 return hosts
+            if not waited:   # said once, when the wait begins
+                waited = True
+                now = time.monotonic()
+                out = sorted(h for h, t in list(self.blacklist.items()) + list(self.cut_off.items()) if t > now)
+                progress.say("elastic: waiting for %s: %d of the %d slots --min-np needs (hosts: %s%s; up to %.0f s)"
+                             % ("a host to return" if out else "hosts", sum(n for _, n in hosts), self.min_np,
+                                ", ".join("%s:%d" % h for h in hosts) or "none",
+                                "; left out: " + ", ".join(out) if out else "", self.args.elastic_timeout))
             if time.monotonic() > deadline:
                 raise ElasticError("fewer than --min-np %d slots for %.0f s (hosts: %s%s)" % (
                     self.min_np, self.args.elastic_timeout, ", ".join("%s:%d" % h for h in hosts) or "none",
