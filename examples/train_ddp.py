@@ -40,18 +40,23 @@ def main():
     parser.add_argument("--no-hook", action="store_true", help="plain DDP: torch's own allreduce over gloo")
     parser.add_argument("--eval-seconds", type=float, default=0.0, help="held-out loss every this many seconds")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json-out", help="write the final metrics here (rank 0)")
     args = parser.parse_args()
 
     stella_ddp.init_process_group()      # stella: rank and size from MPI, the rendezvous over MPI
     rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     context = 32
     corpus = load_corpus()
     data = ByteBatches(corpus, context, args.batch_size, seed=1 + rank + 1000 * args.seed)
-    net = ByteMLP(context, hidden=args.hidden)
-    model = DDP(net)                     # broadcasts rank 0's parameters
+    net = ByteMLP(context, hidden=args.hidden).to(device)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)   # rank 0's parameters
     state = None
     if not args.no_hook:                 # stella: DDP's buckets through the hierarchy
         if args.compression == "auto":
@@ -72,7 +77,7 @@ def main():
               % (size, hvd.num_clusters(), "torch's allreduce (no hook)" if state is None else
                  getattr(state.compression, "name", state.compression), sum(p.numel() for p in net.parameters()) / 1e6),
               flush=True)
-    vx, vy = data.validation()
+    vx, vy = (t.to(device) for t in data.validation())
 
     def held_out_loss():
         with torch.no_grad():
@@ -80,8 +85,11 @@ def main():
         dist.all_reduce(loss)
         return loss.item() / size
 
-    def agreed_clock(seconds):
-        t = torch.tensor([seconds], dtype=torch.float64)
+    def agreed_clock(trained, since):
+        """Training seconds so far, the slowest rank's (the ranks stop and evaluate together)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)   # the step's GPU work counts in its time
+        t = torch.tensor([trained + time.perf_counter() - since], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
@@ -90,7 +98,7 @@ def main():
     t0 = time.perf_counter()
     while True:
         step += 1
-        x, y = data.next()
+        x, y = (t.to(device, non_blocking=True) for t in data.next())
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -98,7 +106,7 @@ def main():
         check = step % 10 == 0 or step == args.steps
         if not check:
             continue
-        trained = agreed_clock(trained + time.perf_counter() - t0)
+        trained = agreed_clock(trained, t0)
         last = step >= args.steps if not args.time_budget else trained >= args.time_budget
         if rank == 0 and step % args.log_every == 0:
             print("step %4d  t %6.1f s  loss %.4f  %.1f ms/step" % (step, trained, loss.item(), 1000 * trained / step),

@@ -9,6 +9,8 @@
 #   suites  the same suites launched directly, 2 clusters and then 1 cluster staged, one log each
 #   bench   bench/bench_gpu.py with BENCH_ARGS (or this script's arguments)
 #   overhead  bench/bench_overhead.py --device cuda with OVERHEAD_ARGS (the backend's time per route)
+#   ddp     tests/mpi/test_ddp.py on CUDA (2 clusters sharing the GPU, DDP over gloo), then the DDP hook
+#           against the Horovod-API path (examples/train_ddp.py, train_horovod.py; DDP_STEPS, DDP_HIDDEN)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -62,7 +64,19 @@ for part in ${PARTS:-gpu bench}; do
             timeout -k 10 "${OVERHEAD_TIMEOUT:-1800}" "$PY" bench/bench_overhead.py --device cuda --out "$out/overhead_gpu.json" \
                 ${OVERHEAD_ARGS:-} >"$out/overhead_gpu.log" 2>&1 || status=1
             echo "== overhead: $((SECONDS - t0)) s"; tail -25 "$out/overhead_gpu.log" ;;
-        *) echo "run_gpu.sh: unknown part '$part' (setup, gpu, suites, bench, overhead)"; exit 2 ;;
+        ddp)
+            suite ddp 2 300 tests/mpi/test_ddp.py
+            for run in "horovod_dense dense train_horovod.py --compression none --optimizer sgd" \
+                       "ddp_dense dense train_ddp.py --compression none" \
+                       "horovod_ca1 auto train_horovod.py --compression cacheaware --density 0.01 --optimizer sgd" \
+                       "ddp_ca1 auto train_ddp.py --compression cacheaware --density 0.01"; do
+                set -- $run; tag="ddp_gpu_$1"; route=$2; shift 2
+                STELLA_CLUSTERS=2 timeout -k 10 300 "$PY" -m stellarun -np 2 --clusters 2 --wan-route "$route" \
+                    "$PY" "examples/$@" --device cuda --steps "${DDP_STEPS:-300}" --hidden "${DDP_HIDDEN:-4096}" \
+                    --lr 0.05 --log-every 100 --json-out "$out/$tag.json" >"$out/$tag.log" 2>&1 || status=1
+                echo "== $tag: $(grep -E '^done' "$out/$tag.log" || tail -3 "$out/$tag.log")"
+            done ;;
+        *) echo "run_gpu.sh: unknown part '$part' (setup, gpu, suites, bench, overhead, ddp)"; exit 2 ;;
     esac
 done
 exit $status

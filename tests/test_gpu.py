@@ -21,7 +21,7 @@ def _check(proc, what):
 
 
 def test_two_clusters_sharing_one_gpu():
-    _check(run_mpi(2, SUITES + ["tests/mpi/test_sparse.py", "tests/mpi/test_cpu_engine.py"],
+    _check(run_mpi(2, SUITES + ["tests/mpi/test_sparse.py", "tests/mpi/test_cpu_engine.py", "tests/mpi/test_ddp.py"],
                    env={"STELLA_CLUSTERS": "2"}, timeout=600), "2 clusters x 1 rank, CUDA")
 
 

@@ -15,17 +15,19 @@ from ..core import state
 from ..core.process_sets import global_process_set
 
 
-def default_backend():
-    """NCCL where this rank has a GPU, gloo otherwise (DDP's own advice)."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def default_backend(ranks_on_host=1):
+    """NCCL where every rank of this host has a GPU of its own (DDP's advice; NCCL refuses two
+    ranks on one GPU), gloo otherwise."""
+    own_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= ranks_on_host
+    return "nccl" if own_gpu and dist.is_nccl_available() else "gloo"
 
 
 def init_process_group(backend=None, timeout=None):
     """Initialise torch.distributed from the MPI job (calling ``hvd.init()`` first if needed):
     ``dist.get_rank() == hvd.rank()`` and ``dist.get_world_size() == hvd.size()``.
 
-    ``backend``: "gloo", "nccl" or "gloo|nccl"-style strings torch accepts (default: NCCL with a
-    GPU, else gloo). ``timeout``: seconds or a timedelta (default: ``STELLA_TIMEOUT``). The
+    ``backend``: "gloo", "nccl" or any string torch accepts (default: NCCL where every rank of a
+    host has a GPU of its own, else gloo; gloo reduces CUDA tensors too). ``timeout``: seconds or a timedelta (default: ``STELLA_TIMEOUT``). The
     store's address is rank 0's: loopback when the job runs on one host, else the address of
     ``STELLA_GLOO_IFNAME`` (``GLOO_SOCKET_IFNAME``, ``stellarun --network-interface``), else the
     host name's. Returns the default process group. Calling it again after a success returns
@@ -45,9 +47,9 @@ def init_process_group(backend=None, timeout=None):
         timeout = timedelta(seconds=rt.config.timeout_s)
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    backend = backend or default_backend()
     pset = global_process_set
     topo = pset.topology
+    backend = backend or default_backend(topo.local_size)
     one_host = topo.local_size == rt.size
     ifname = rt.config.gloo_ifname or os.environ.get("GLOO_SOCKET_IFNAME", "")
     host = store_host(one_host, ifname) if rt.rank == 0 else None

@@ -12,6 +12,8 @@ from stella_mpi.base.errors import NonFiniteGradientError
 
 from reference import nonfinite_policy
 
+# on CUDA where the job sees a GPU (scripts/run_gpu.sh: every rank on one GPU, DDP over gloo)
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 CAP_MB = 0.01   # about 10 KB per bucket: the model below fills two of them once DDP has rebuilt its buckets
 # (its first step, before the rebuild, has one bucket of every parameter)
 
@@ -26,17 +28,21 @@ def torch_group():
 def _net(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
-                               torch.nn.Linear(48, 4))
+                               torch.nn.Linear(48, 4)).to(DEVICE)
 
 
 def _batch(rank, step):
     g = torch.Generator().manual_seed(7919 * (rank + 1) + step)
-    return torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+    return torch.randn(32, 16, generator=g).to(DEVICE), torch.randint(0, 4, (32,), generator=g).to(DEVICE)
+
+
+def _wrap(net, **kwargs):
+    return DDP(net, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None, **kwargs)
 
 
 def _ddp(compression, seed=0, hook=True):
     net = _net(seed)
-    model = DDP(net, bucket_cap_mb=CAP_MB)
+    model = _wrap(net, bucket_cap_mb=CAP_MB)
     state = None
     if hook:
         state = ddp.StellaHookState(net, compression=compression)
@@ -55,14 +61,14 @@ def _steps(model, opt, first, count, nan_at=None):
 
 
 def _flat(net):
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu()
 
 
 def test_process_group_is_the_mpi_job():
     assert dist.is_initialized()
     assert (dist.get_rank(), dist.get_world_size()) == (hvd.rank(), hvd.size())
     assert ddp.init_process_group() is dist.group.WORLD   # a second call is the same group
-    t = torch.tensor([float(hvd.rank())])
+    t = torch.tensor([float(hvd.rank())], device=DEVICE)
     dist.all_reduce(t)
     assert t.item() == sum(range(hvd.size()))
 
@@ -182,7 +188,7 @@ def test_buckets_that_differ_between_ranks_are_named():
     if hvd.size() < 2:
         pytest.skip("needs two ranks")
     net = _net()   # per-bucket caps that differ: DDP's first buckets differ (it agrees on its rebuilt ones)
-    model = DDP(net, bucket_cap_mb_list=[0.004, 0.004] if hvd.rank() == 0 else [1])
+    model = _wrap(net, bucket_cap_mb_list=[0.004, 0.004] if hvd.rank() == 0 else [1])
     state = ddp.StellaHookState(net, compression=hvd.Compression.none)
     model.register_comm_hook(state, ddp.stella_hook)
     x, y = _batch(hvd.rank(), 0)
@@ -195,7 +201,7 @@ def test_a_state_on_another_group_is_refused():
         pytest.skip("needs two ranks")
     sub = dist.new_group([0, 1][:hvd.size() - 1])   # every rank makes it, a group without the last rank
     net = _net()
-    model = DDP(net, bucket_cap_mb=CAP_MB)
+    model = _wrap(net, bucket_cap_mb=CAP_MB)
     state = ddp.StellaHookState(net, compression=hvd.Compression.none, process_group=sub)
     model.register_comm_hook(state, ddp.stella_hook)
     x, y = _batch(hvd.rank(), 0)
