@@ -15,5 +15,7 @@ python -m pip install -q "torch==2.13.0" numpy "cffi>=1.16" "mpi4py>=4" mpich py
 python -m pip install -q matplotlib
 # the docs extra: mkdocs build --strict runs in the default tests
 python -m pip install -q mkdocs mkdocs-material "mkdocstrings[python]"
+# the test extra's wheel builder (tests/test_wheel.py) and the lightning extra (tests/test_lightning.py)
+python -m pip install -q build lightning
 python -m pip install -q --no-build-isolation -e .
 python -c "import stella_mpi, stella_mpi._native as n; print('stella_mpi ready; SIMD paths:', n.simd_levels_available())"

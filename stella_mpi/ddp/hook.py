@@ -254,9 +254,11 @@ class StellaHookState:
             fut.set_result(buf)
 
     def _end_of_backward(self, futures):
-        """Every bucket of the step is back: raise the first failure, if any, from backward."""
+        """Every bucket of the step is back: close the step in ``hvd.stats()`` (as the Horovod
+        path's synchronize() does), then raise the first failure, if any, from backward."""
         for fut in futures:
             fut.wait()
+        runtime.current().wan_stats.end_step()
         errors = [self._errors.pop(f) for f in futures if f in self._errors]
         if errors:
             raise errors[0]
@@ -271,6 +273,10 @@ def stella_hook(state, bucket):
     if not isinstance(state, StellaHookState):
         raise TypeError("stella_hook's state must be a stella_mpi.ddp.StellaHookState, got %s"
                         % type(state).__name__)
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError("stella_hook is a DistributedDataParallel communication hook: it takes DDP's GradBucket, "
+                        "got %s. FSDP, DeepSpeed and Lightning's other strategies call their hooks otherwise; use "
+                        "DDP (Lightning: stella_mpi.ddp.lightning.StellaDDPStrategy)" % type(bucket).__name__)
     return state._launch(bucket)
 
 
