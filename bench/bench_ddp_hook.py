@@ -6,9 +6,12 @@ training for each run, side by side in one run:
   its final held-out loss is the target;
 * ``horovod-<route>``: the Horovod-API path on the hook's route (``--compression``, default
   cache-aware 1 %);
-* ``ddp-hook-<route>``: examples/train_ddp.py, DDP with ``stella_hook`` on the same route;
+* ``ddp-hook-<route>``: examples/train_ddp.py, DDP with ``stella_hook`` on the same route (SGD
+  with momentum wrapped by ``ddp.wrap_optimizer``: momentum correction, as on the Horovod path);
 * ``horovod-auto``: the Horovod script as it is (the automatic route, which may move to local
   steps: a DDP hook cannot);
+* ``ddp-hook-auto``: DDP with the hook's automatic route (the adjuster over densities, THC bits
+  and dense);
 * ``ddp-plain``: DDP with torch's own allreduce (gloo across the WAN), what a DDP user has today.
 
 Reported per run: steps, ms/step, WAN MB/step, final held-out loss and the time to the target,
@@ -61,7 +64,7 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--compression", default="cacheaware", help="the route both paths take (a sparse compressor)")
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--runs", default="horovod-dense,horovod-route,ddp-hook-route,horovod-auto,ddp-plain")
+    p.add_argument("--runs", default="horovod-dense,horovod-route,ddp-hook-route,horovod-auto,ddp-hook-auto,ddp-plain")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ddp_hook.json"))
     args = p.parse_args()
     route = ["--compression", args.compression, "--density", str(args.density)]
@@ -70,6 +73,7 @@ def main():
         "horovod-dense": ("train_horovod.py", ["--optimizer", "sgd", "--compression", "none"], "dense"),
         "horovod-route": ("train_horovod.py", ["--optimizer", "sgd"] + route, "auto"),
         "ddp-hook-route": ("train_ddp.py", route, "auto"),
+        "ddp-hook-auto": ("train_ddp.py", ["--compression", "auto"], "auto"),
         "horovod-auto": ("train_horovod.py", ["--optimizer", "sgd", "--compression", "none"], "auto"),
         "ddp-plain": ("train_ddp.py", ["--no-hook"], "auto"),
     }

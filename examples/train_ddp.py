@@ -71,7 +71,7 @@ def main():
         model.register_comm_hook(state, stella_ddp.stella_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     if state is not None:
-        optimizer = stella_ddp.skip_refused_steps(optimizer, state)   # stella: STELLA_NONFINITE=skip's no-update
+        optimizer = stella_ddp.wrap_optimizer(optimizer, state)   # stella: STELLA_NONFINITE=skip's no-update
     if rank == 0:
         print("train_ddp: %d ranks in %d clusters; route across clusters: %s; model %.2fM parameters"
               % (size, hvd.num_clusters(), "torch's allreduce (no hook)" if state is None else
@@ -126,6 +126,12 @@ def main():
     if rank == 0:
         print("done: %d steps in %.1f s; validation loss %.4f; parameters identical on all %d ranks: %s"
               % (step, trained, val, size, identical), flush=True)
+        if state is not None and state.session is not None:
+            changes = ["%d: %s" % (s, "thc %d" % d.bits if d.bits else "density %.4g" % d.density)
+                       for s, d in state.session.decisions if d.changed]
+            print("the adjuster took %d decisions; changes (step: rung): %s; last reason: %s"
+                  % (len(state.session.decisions), ", ".join(changes) or "none",
+                     state.session.decisions[-1][1].reason if state.session.decisions else "-"), flush=True)
         if args.json_out:
             stats = hvd.stats()
             with open(args.json_out, "w") as f:

@@ -56,7 +56,7 @@ class ByteLM(L.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
-        return stella_ddp.skip_refused_steps(opt, self.hook_state)   # stella: STELLA_NONFINITE=skip's no-update
+        return stella_ddp.wrap_optimizer(opt, self.hook_state)   # stella: STELLA_NONFINITE=skip's no-update
 
 
 def main():

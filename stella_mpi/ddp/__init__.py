@@ -3,5 +3,5 @@
 :func:`stella_hook` with a :class:`StellaHookState` sends DDP's gradient buckets through stella's
 hierarchy (dense inside each cluster, the cross-cluster route across them). See
 ``docs/guides/ddp.md``."""
-from .hook import StellaHookState, automatic_compression, skip_refused_steps, stella_hook  # noqa: F401
+from .hook import StellaHookState, automatic_compression, wrap_optimizer, stella_hook  # noqa: F401
 from .process_group import default_backend, init_process_group  # noqa: F401

@@ -82,7 +82,7 @@ def test_hook_at_density_one_matches_distributed_optimizer(compression):
             return hvd.Compression.thc(bits=8)
         return getattr(hvd.Compression, compression)(density=1.0)
     net, model, state = _ddp(comp())
-    opt = ddp.skip_refused_steps(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state)
+    opt = ddp.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state)
     _steps(model, opt, 0, 6)
 
     ref = _net()
@@ -154,10 +154,10 @@ def test_checkpoint_restores_the_residuals():
 @pytest.mark.parametrize("compression", ["sparse", "dense"])
 def test_nonfinite_gradient_is_skipped_on_every_rank(compression):
     """STELLA_NONFINITE=skip: a NaN on the last rank at step 2 refuses that step on every rank;
-    an optimizer wrapped by skip_refused_steps does not move, and training goes on."""
+    an optimizer wrapped by wrap_optimizer does not move, and training goes on."""
     comp = hvd.Compression.topk(density=0.05) if compression == "sparse" else hvd.Compression.none
     net, model, state = _ddp(comp)
-    opt = ddp.skip_refused_steps(torch.optim.SGD(model.parameters(), lr=0.1), state)
+    opt = ddp.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), state)
     with nonfinite_policy("skip"):
         _steps(model, opt, 0, 2)
         before = _flat(net).clone()
@@ -174,7 +174,7 @@ def test_nonfinite_gradient_is_skipped_on_every_rank(compression):
 
 def test_nonfinite_gradient_raises_on_every_rank_with_raise():
     net, model, state = _ddp(hvd.Compression.topk(density=0.05))
-    opt = ddp.skip_refused_steps(torch.optim.SGD(model.parameters(), lr=0.1), state)
+    opt = ddp.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), state)
     with nonfinite_policy("raise"):
         _steps(model, opt, 0, 1)
         x, y = _batch(hvd.rank(), 1)
@@ -211,7 +211,51 @@ def test_a_state_on_another_group_is_refused():
         torch.nn.functional.cross_entropy(model(x), y).backward()
 
 
+def test_momentum_correction_carries_velocities_and_a_refused_step_leaves_none():
+    """wrap_optimizer with SGD with momentum on a sparse route: the hook sends velocities (DGC),
+    kept in the state and its checkpoint; a step refused for a NaN rolls them back."""
+    net, model, state = _ddp(hvd.Compression.topk(density=0.05))
+    opt = ddp.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state)
+    assert state._mc is not None
+    _steps(model, opt, 0, 3)
+    assert len(state._mc.velocity) == len(list(net.parameters()))
+    saved = state.state_dict()["momentum_correction"]["velocity"]
+    with nonfinite_policy("skip"):
+        _steps(model, opt, 3, 1, nan_at=(3, 0))
+    assert state.skipped
+    for name, v in state._mc.velocity.items():
+        assert torch.equal(v, saved[name]), name
+    plain = ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1),
+                               ddp.StellaHookState(_net(), compression=hvd.Compression.topk(density=0.05)))
+    assert plain is not None   # no momentum: nothing to correct
+    thc = ddp.StellaHookState(_net(), compression=hvd.Compression.thc(bits=4))
+    ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9), thc)
+    assert thc._mc is None     # THC holds nothing back, as on the Horovod path
+
+
+@pytest.mark.auto_route
+def test_automatic_route_runs_the_adjuster_across_clusters():
+    net, model, state = _ddp(None)
+    if hvd.num_clusters() < 2:
+        assert state.session is None and state.compression is hvd.Compression.none
+        return
+    assert state.session is not None and state.compression.name == "cacheaware"
+    opt = ddp.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state)
+    _steps(model, opt, 0, 12)
+    decisions = state.session.decisions
+    assert decisions, "the adjuster decided nothing in 12 steps (interval 2)"
+    steps = hvd.allgather_object([(s, d.density, d.bits) for s, d in decisions])
+    assert all(x == steps[0] for x in steps)   # the same decisions at the same steps on every rank
+
+
 def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="modes=.*not for the DDP hook: local steps need"):
+        ddp.StellaHookState(_net(), compression=hvd.Compression.topk(density=0.01),
+                            adjuster=hvd.Adjuster(modes=("sync", "local")))
+    with pytest.raises(ValueError, match="nothing to tune"):
+        ddp.StellaHookState(_net(), compression=hvd.Compression.none, adjuster=hvd.Adjuster())
+    with pytest.raises(TypeError, match="state must be a StellaHookState"):
+        ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1), None)
     with pytest.raises(TypeError, match="pass the model DDP wraps"):
         ddp.StellaHookState([1, 2])
     with pytest.raises(TypeError, match="expected hvd.Compression.none"):
