@@ -86,7 +86,8 @@ def main():
     corpus = load_corpus()
     data = torch.utils.data.DataLoader(Batches(corpus, 32, args.batch_size, 1 + hvd.rank(), args.steps),
                                        batch_size=None)
-    strategy = StellaDDPStrategy(ddp_comm_state=model.hook_state, ddp_comm_hook=stella_ddp.stella_hook)   # stella
+    strategy = StellaDDPStrategy(ddp_comm_state=model.hook_state, ddp_comm_hook=stella_ddp.stella_hook,   # stella
+                                 bucket_cap_mb=64)   # one bucket per 64 MB: the sparse route selects within each
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=hvd.local_size(),
                         num_nodes=hvd.size() // hvd.local_size(), max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
