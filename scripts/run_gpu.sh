@@ -10,7 +10,8 @@
 #   bench   bench/bench_gpu.py with BENCH_ARGS (or this script's arguments)
 #   overhead  bench/bench_overhead.py --device cuda with OVERHEAD_ARGS (the backend's time per route)
 #   ddp     tests/mpi/test_ddp.py on CUDA (2 clusters sharing the GPU, DDP over gloo), then the DDP hook
-#           against the Horovod-API path (examples/train_ddp.py, train_horovod.py; DDP_STEPS, DDP_HIDDEN)
+#           against the Horovod-API path (examples/train_ddp.py, train_horovod.py: dense, cache-aware 1 %,
+#           the automatic route; DDP_STEPS, DDP_HIDDEN)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -69,7 +70,9 @@ for part in ${PARTS:-gpu bench}; do
             for run in "horovod_dense dense train_horovod.py --compression none --optimizer sgd" \
                        "ddp_dense dense train_ddp.py --compression none" \
                        "horovod_ca1 auto train_horovod.py --compression cacheaware --density 0.01 --optimizer sgd" \
-                       "ddp_ca1 auto train_ddp.py --compression cacheaware --density 0.01"; do
+                       "ddp_ca1 auto train_ddp.py --compression cacheaware --density 0.01" \
+                       "horovod_auto auto train_horovod.py --compression none --optimizer sgd" \
+                       "ddp_auto auto train_ddp.py --compression auto"; do
                 set -- $run; tag="ddp_gpu_$1"; route=$2; shift 2
                 STELLA_CLUSTERS=2 timeout -k 10 300 "$PY" -m stellarun -np 2 --clusters 2 --wan-route "$route" \
                     "$PY" "examples/$@" --device cuda --steps "${DDP_STEPS:-300}" --hidden "${DDP_HIDDEN:-4096}" \
