@@ -2,7 +2,9 @@
 Python, torch (and its CUDA), numpy, mpi4py and the MPI library, and the machine (cores, CPU
 model, GPU), with the date and the command. Every bench JSON carries it under "provenance";
 this is the one function that makes it (tests/unit/test_provenance.py checks that every
-writer in bench/ uses it).
+writer in bench/ uses it). ``STELLA_COMMIT`` names the commit where the checkout's .git is not
+the tree's own (scripts/run_gpu.sh on the device machine, whose copy carries the session's
+first .git: pass ``STELLA_COMMIT=<hash>`` in its command); "dirty" is then unknown (null).
 
 The MPI library is read from mpi4py only where the script already imported mpi4py.MPI (it
 runs under MPI): importing it would initialise MPI, which a launcher-side script (one that
@@ -56,9 +58,10 @@ def _mpi_library():
 
 def provenance():
     """A dict of plain JSON values; any part that cannot be read is None."""
-    commit = _git("rev-parse", "HEAD") or None
+    given = os.environ.get("STELLA_COMMIT", "").strip()   # a copy whose .git is not the tree's (the device machine)
+    commit = given or _git("rev-parse", "HEAD") or None
     out = {"commit": commit,
-           "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None,
+           "dirty": None if given else bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": platform.python_version(), "torch": None, "cuda": None, "gpu": None,
            "numpy": _dist_version("numpy"), "mpi4py": _dist_version("mpi4py"), "mpi_library": _mpi_library(),

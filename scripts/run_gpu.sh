@@ -3,7 +3,8 @@
 # with that machine's python3 and its CUDA torch (no index there: first run scripts/gpu_wheels.sh
 # where pip works and bring .whl/ along; a venv that sees the machine's own torch gets them).
 # Each part is bounded and logged to $OUT (else bench/results); a failure does not stop the
-# next part. PARTS (default "gpu bench") picks among:
+# next part. STELLA_COMMIT=<hash> names the commit in the bench JSONs' provenance (the device's copy
+# of .git may be older than the tree it was sent). PARTS (default "gpu bench") picks among:
 #   setup   only the venv and the C extension (what scripts/gpu_train.sh needs)
 #   gpu     pytest -m gpu tests/test_gpu.py (the device-route and NCCL suites under mpirun)
 #   suites  the same suites launched directly, 2 clusters and then 1 cluster staged, one log each
