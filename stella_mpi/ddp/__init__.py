@@ -5,3 +5,6 @@ hierarchy (dense inside each cluster, the cross-cluster route across them). See
 ``docs/guides/ddp.md``."""
 from .hook import StellaHookState, automatic_compression, wrap_optimizer, stella_hook  # noqa: F401
 from .process_group import default_backend, init_process_group  # noqa: F401
+
+__all__ = ["StellaHookState", "automatic_compression", "default_backend", "init_process_group", "stella_hook",
+           "wrap_optimizer"]
