@@ -229,7 +229,14 @@ def test_delayed_link_is_removed_after_ctrl_c():
             break
     assert leftovers(proc.pid), "the emulation should exist while the job runs"
     proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
+    try:
+        out = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:   # (seen once in a full run under load: say what was left)
+        tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "--ppid", str(proc.pid)], capture_output=True,
+                              text=True).stdout
+        proc.kill()
+        pytest.fail("stellarun did not end within 60 s of Ctrl-C; its children:\n%s\noutput:\n%s"
+                    % (tree, proc.communicate()[0][-3000:]))
     assert proc.returncode != 0, out[-3000:]
     assert leftovers(proc.pid) == []
 
