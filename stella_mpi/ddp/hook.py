@@ -106,8 +106,6 @@ def _checked_adjuster(adjuster, automatic):
 
 
 def _checked_compression(compression):
-    if compression is None:
-        return None
     if isinstance(compression, type) and getattr(compression, "sparse", True) is False:
         return compression   # Horovod's dense compressors are classes: none, fp16, bf16
     if getattr(compression, "sparse", False):

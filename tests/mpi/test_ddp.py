@@ -225,9 +225,9 @@ def test_momentum_correction_carries_velocities_and_a_refused_step_leaves_none()
     assert state.skipped
     for name, v in state._mc.velocity.items():
         assert torch.equal(v, saved[name]), name
-    plain = ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1),
-                               ddp.StellaHookState(_net(), compression=hvd.Compression.topk(density=0.05)))
-    assert plain is not None   # no momentum: nothing to correct
+    plain = ddp.StellaHookState(_net(), compression=hvd.Compression.topk(density=0.05))
+    ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1), plain)
+    assert plain._mc is None   # no momentum: nothing to correct
     thc = ddp.StellaHookState(_net(), compression=hvd.Compression.thc(bits=4))
     ddp.wrap_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9), thc)
     assert thc._mc is None     # THC holds nothing back, as on the Horovod path
