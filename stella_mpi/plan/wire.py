@@ -67,7 +67,7 @@ from ..comm.sparse_exchange import (ALLGATHER_MESSAGES, allgather_bytes, choose_
                                     tree_messages)
 from ..comm.thc_exchange import THC_MESSAGES, thc_bytes
 from ..compression import TensorContext
-from ..compression.registry import get_compressor
+from ..compression.registry import get_compressor, get_factory
 from ..compression.thc import THCCompressor
 from .._native import compress as codec
 from ..optim.buckets import plan_gradient_buckets
@@ -125,11 +125,11 @@ class Route:
         kwargs = {"density": self.density}
         if self.warmup is not None:
             kwargs["warmup"] = self.warmup
-        comp = get_compressor(self.compressor, **kwargs)
-        if not getattr(comp, "sparse", False) or getattr(comp, "homomorphic", False):
+        factory = get_factory(self.compressor)   # (an unknown name: the registry's refusal)
+        if not getattr(factory, "sparse", False) or getattr(factory, "homomorphic", False):
             raise ValueError("Route('sparse'): compressor %r is not a sparse selection (use kind 'dense', 'fp16' "
                              "or 'thc')" % self.compressor)
-        return comp
+        return get_compressor(self.compressor, **kwargs)
 
 
 @dataclass(frozen=True)
