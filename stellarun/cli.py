@@ -670,7 +670,11 @@ def main(argv=None):
 
 
 def _main(argv):
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from . import plan
+        return plan.main(argv[1:])
+    args = parse(argv)
     progress.QUIET = args.quiet
     if args.since is not None and not args.clean:
         raise UsageError("stellarun: --since goes with --clean")

@@ -1,0 +1,237 @@
+"""Prediction of one route on one set of clusters, from the calibration, with the adjuster's
+cost model (:mod:`..adjust.controller`, :mod:`..adjust.mode_rule`): one source of truth for what
+a step costs.
+
+For a layout (clusters of GPU kinds and uplinks) and a route, per optimizer step:
+
+* **compute**: each cluster kind's seconds per sample -- this machine's (kind ``here``) from the
+  calibration's fit, times the oversubscription of its host's cores; a GPU kind's from the
+  model's FLOPs per sample over its throughput (:mod:`.gpus`) -- the global batch split in
+  proportion to throughput (``controller.split_batch``), the slowest rank's pass counting;
+* **WAN bytes and messages**: exactly what each rank's counters will record (:mod:`.wire`);
+  a cluster's uplink carries what its ranks send (and, separately, what they receive), so the
+  busiest uplink's time is the wire's;
+* **fixed**: the optimizer, the dense reduction inside the cluster (a ring over the cluster's
+  fabric), the route's CPU work (selection, encoding, decoding, merge: measured on this route
+  in the calibration and scaled to the layout's shard and cluster count by the kernels' costs,
+  :mod:`.kernel_costs`), and what else the calibration's step held (bookkeeping);
+* the step from :meth:`Controller.predict` (synchronous: compute + fixed + latency + wire;
+  the CPU engine: max(compute, fixed + wire)), or for local steps ``local_step_time`` plus the
+  exchange over H (:mod:`..adjust.mode_rule`).
+
+Steps to a target are the route's own, measured in the calibration's run at equal steps (or
+``--target-steps`` times the route's measured ratio to dense); time, cost and the work
+revocations take follow.
+"""
+import math
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..adjust.controller import Controller, Estimate, split_batch
+from ..adjust.mode_rule import local_step_time
+from ..adjust.settings import AdjusterSettings
+from . import wire
+
+HERE = "here"            # the kind of this machine's CPU ranks (what the planner is checked against)
+RESET_S = 5.0            # seconds an elastic reset takes after a revocation (bench_elastic.py: under 5 s)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    count: int
+    kind: str
+    link_bps: float
+    price: Optional[float] = None          # USD per GPU-hour
+    revocations: float = 0.0               # per GPU-hour
+    host: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    clusters: List[Cluster]
+    global_batch: int
+    delay_s: float = 0.0
+    cores: Optional[int] = None            # cores of a ``here`` host (default: this machine's)
+
+    @property
+    def sizes(self):
+        return [c.count for c in self.clusters]
+
+    def ranks(self):
+        """(cluster index, Cluster) of every world rank, cluster by cluster."""
+        return [(i, c) for i, c in enumerate(self.clusters) for _ in range(c.count)]
+
+    def oversubscription(self, cluster):
+        """How many ranks share each core of ``cluster``'s host (1 for GPUs: a rank each)."""
+        if cluster.kind != HERE:
+            return 1.0
+        host = cluster.host or HERE
+        sharing = sum(c.count for c in self.clusters if c.kind == HERE and (c.host or HERE) == host)
+        return max(1.0, sharing / float(self.cores or os.cpu_count() or 1))
+
+
+def layout_from_spec(spec):
+    cl = [Cluster(count=int(c["count"]), kind=c["kind"], link_bps=float(c["link"]), price=c.get("price"),
+                  revocations=float(c.get("revocations", 0.0)), host=c.get("host")) for c in spec["clusters"]]
+    return Layout(clusters=cl, global_batch=int(spec["global_batch"]), delay_s=float(spec.get("link_delay_s") or 0.0),
+                  cores=spec.get("cores"))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+class Machine:
+    """What the calibration measured, as the prediction reads it."""
+
+    def __init__(self, calib, table=None, kernel_costs=None):
+        self.calib = calib
+        self.table = table or {}
+        self.costs = kernel_costs
+        comp = calib.get("compute") or []
+        self.per_sample_s = _median([c["per_sample_s"] for c in comp]) if comp else None
+        self.intercept_s = _median([c["intercept_s"] for c in comp]) if comp else 0.0
+        flops = [c["flops_per_sample"] for c in comp if c.get("flops_per_sample")]
+        self.flops_per_sample = _median(flops) if flops else calib.get("flops_per_sample")
+
+    def seconds_per_pass(self, kind, batch, oversub):
+        """Forward and backward of ``batch`` samples on one rank of ``kind``."""
+        if kind == HERE:
+            if self.per_sample_s is None:
+                raise ValueError("kind 'here' needs a model the calibration ran (a script, not a named size)")
+            return (self.intercept_s + self.per_sample_s * batch) * oversub
+        gpu = self.gpu(kind)
+        if not self.flops_per_sample:
+            raise ValueError("GPU kind %r: the model's FLOPs per sample are unknown (the FLOP counter could not "
+                             "follow the model)" % kind)
+        return batch * self.flops_per_sample / (gpu.tflops * 1e12 * gpu.mfu)
+
+    def gpu(self, kind):
+        from .gpus import get_gpu
+        return get_gpu(kind, self.table or None)
+
+    def optimizer_s(self, kind, numel, oversub):
+        """The optimizer's step: measured here; on a GPU, memory-bound and small beside the
+        pass (counted as 0: the table has no memory bandwidth)."""
+        if kind == HERE:
+            return self.calib.get("optimizer_s", 0.0) * oversub
+        return 0.0
+
+    def fabric_bps(self, kind, oversub):
+        if kind == HERE:
+            return self.calib["fabric_bps"] / oversub
+        return self.gpu(kind).intra_gbps * 8e9
+
+
+def _cpu_work(machine, route, measured, traffic, layout, numel):
+    """The route's CPU work per step on the busiest rank (selection, encoding, decoding, merge):
+    the calibration's measurement of this route scaled by the kernels' costs from its layout (two
+    clusters, whole buffers) to this one; without a measurement, the kernels' costs alone."""
+    costs = machine.costs
+    w = route.wire if route.wire.kind != "local" else (route.wire.pseudo or wire.Route(kind="dense"))
+    C = len(layout.clusters)
+    elements = max(t["elements"] for t in traffic)
+    entries = max(t["entries_sent"] for t in traffic)
+
+    def model(n, k, c):
+        if costs is None:
+            return None
+        if w.kind == "sparse":
+            return costs.sparse_cpu_s(w.compressor, n, k, c, wire.algorithm_for(w, c, k))
+        if w.kind == "thc":
+            return costs.thc_cpu_s(n, w.bits, c)
+        return costs.dense_cpu_s(n, c)
+    here = model(elements, entries, C)
+    if measured is not None:
+        calib_entries = measured.get("entries", entries * numel / max(elements, 1))
+        there = model(numel, calib_entries, 2)
+        if here is not None and there:
+            return measured["cpu_s"] * here / there
+        return measured["cpu_s"] * elements / max(numel, 1)
+    return here or 0.0
+
+
+def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None):
+    """The prediction of ``route`` (a PlanRoute) on ``layout``: a dict of seconds, bytes and ratios.
+    ``measured``: the calibration's record of this route (its parts), or None."""
+    numel = sum(param_numels)
+    oversub = [layout.oversubscription(c) for c in layout.clusters]
+    per_sample = [machine.seconds_per_pass(c.kind, 1, 1.0) - (machine.intercept_s if c.kind == HERE else 0.0)
+                  for c in layout.clusters]
+    throughput = [1.0 / (max(ps, 1e-12) * o) for ps, o, c in zip(per_sample, oversub, layout.clusters)
+                  for _ in range(c.count)]
+    batch = split_batch(layout.global_batch, throughput, None)
+    ranks = layout.ranks()
+    compute = max(machine.seconds_per_pass(c.kind, b, oversub[i]) for (i, c), b in zip(ranks, batch))
+    every = route.wire.every if route.wire.kind == "local" else 1
+    steps = [wire.step_traffic(route.wire, layout.sizes, param_numels, fusion_bytes=fusion_bytes, step=s)
+             for s in range(every)]
+    traffic = [{k: sum(step[r][k] for step in steps) for k in steps[0][r]} for r in range(len(ranks))]
+    busiest = None
+    for i, c in enumerate(layout.clusters):
+        members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
+        nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
+                     sum(traffic[r]["wan_bytes_received"] for r in members))
+        t = 8.0 * nbytes / c.link_bps
+        if busiest is None or t > busiest[0]:
+            busiest = (t, nbytes, c.link_bps)
+    _, nbytes, link = busiest
+    messages = max(t["wan_messages"] for t in traffic)
+    latency = machine.calib["link"]["latency_s"] + 2.0 * layout.delay_s
+    worst = max(range(len(layout.clusters)), key=lambda i: oversub[i])
+    kind = layout.clusters[worst].kind
+    k = layout.clusters[worst].count
+    cpu = _cpu_work(machine, route, measured, traffic, layout, numel) * oversub[worst]
+    intra = 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub[worst]) if k > 1 else 0.0
+    rest = 0.0
+    if measured is not None:
+        rest = max(measured["step_s"] - measured["compute_s"] - measured["exchange_s"] - measured["cpu_s"]
+                   - machine.calib.get("optimizer_s", 0.0), 0.0) * oversub[worst]
+    fixed = machine.optimizer_s(kind, numel, oversub[worst]) + intra + cpu + rest
+    w = route.wire
+    density = w.density if w.kind == "sparse" else 1.0
+    bits = w.bits if w.kind == "thc" else 0
+    elements = max(max(t["elements"] for t in traffic), 1)
+    est = Estimate(compute_s=compute, fixed_s=fixed, latency_s=latency, messages=messages,
+                   bytes_per_density=nbytes / density, bandwidth_bps=link,
+                   wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,
+                   fixed_thc_s=fixed, cpu_s=cpu)
+    if w.kind == "local":
+        local = local_step_time(est)
+        exchange = messages * latency + 8.0 * nbytes / link + cpu
+        step = local + exchange / every
+        wire_s = 8.0 * nbytes / link / every
+    else:
+        thc = {bits: nbytes / elements} if bits else {}
+        ctl = Controller(AdjusterSettings(thc_bits=(bits,) if bits else ()), overlap=route.overlap, thc_bytes=thc)
+        step = ctl.predict(est, 1, density, bits)
+        wire_s = 8.0 * nbytes / link
+    sent = max(t["wan_bytes_sent"] for t in traffic) / every
+    return {"route": route.name, "step_s": step, "compute_s": compute, "utilisation": compute / step,
+            "wan_bytes_per_step": sent, "cluster_uplink_bytes_per_step": nbytes / every,
+            "messages_per_step": messages / every, "wire_s": wire_s, "fixed_s": fixed, "cpu_s": cpu,
+            "intra_s": intra, "batch_split": list(batch), "every": every}
+
+
+def time_to_target(pred, steps, layout, commit_every):
+    """Time, cost and revocations' toll of ``steps`` steps at the predicted step time."""
+    seconds = steps * pred["step_s"]
+    rate = sum(c.count * c.revocations for c in layout.clusters) / 3600.0   # revocations per second
+    lost_each = commit_every / 2.0 * pred["step_s"] + RESET_S
+    out = {"steps": steps, "seconds": seconds}
+    if rate > 0:
+        share = rate * lost_each
+        if share >= 1.0:
+            out.update(seconds_with_revocations=math.inf, revocation_note=(
+                "revocations (%.2f per hour) come faster than a commit interval's work: commit more often"
+                % (rate * 3600)))
+        else:
+            out["seconds_with_revocations"] = seconds / (1.0 - share)
+            out["lost_to_revocations_s"] = out["seconds_with_revocations"] - seconds
+    total = out.get("seconds_with_revocations", seconds)
+    if all(c.price is not None for c in layout.clusters):
+        out["cost_usd"] = total / 3600.0 * sum(c.count * c.price for c in layout.clusters)
+    return out
