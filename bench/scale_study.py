@@ -131,8 +131,8 @@ def simulate(costs, model, numels, c, g, link, route, gpu, args, shards=None):
     intra = 2.0 * (g - 1) / g * 4 * total / (gpu.intra_gbps * 1e9) if g > 1 else 0.0
     every = 1
     if kind == "local":   # the pseudo-gradient: THC 4-bit over one fused buffer of the whole model, every H steps
-        shards = collections.Counter({split_counts(total, g)[0]: 1}) if args.pseudo_bucket is None else \
-            shard_counts(numels, g, args.pseudo_bucket)
+        shards = collections.Counter({split_counts(total, g)[0]: 1}) if args.pseudo_bucket == 0 else \
+            shard_counts(numels, g, args.fusion if args.pseudo_bucket is None else args.pseudo_bucket)
         kind, every = "thc", H
     shards = shards if shards is not None else shard_counts(numels, g, args.fusion)
     sent = recv = msgs = rounds = cpu = 0.0
@@ -327,7 +327,8 @@ def main(argv=None):
     ap.add_argument("--latency", type=float, default=0.025, help="one-way WAN latency per round, s")
     ap.add_argument("--fusion", type=int, default=memory.DEFAULT_FUSION_BYTES, help="bucket bytes")
     ap.add_argument("--pseudo-bucket", type=int, default=None,
-                    help="bucket bytes of the local-steps pseudo-gradient exchange (default: the runtime's rule)")
+                    help="bucket bytes of the local-steps pseudo-gradient exchange (default: --fusion, the "
+                         "runtime's rule; 0: one fused buffer of the whole model, the rule before issue 32)")
     ap.add_argument("--cpu-factor", type=float, default=1.0, help="host CPU speed over this machine's, per core")
     ap.add_argument("--merge-shard", type=int, default=1 << 19, help="shard of the merge measurement")
     ap.add_argument("--costs", default=None, help="KernelCosts JSON to reuse instead of measuring")

@@ -20,8 +20,9 @@ from the runtime's own allocation rules (no tensor is allocated here):
 * local steps (``hvd.LocalSteps``): the anchor (a copy of every parameter, in the parameters'
   dtype), the outer optimizer's state (Nesterov: one momentum buffer per parameter; "average":
   none), the pseudo-gradients (a new tensor per parameter at each exchange) and the pseudo
-  route's own buffers for the buckets its exchange uses (``pseudo_bucket_bytes``: ``None`` is
-  the runtime's one fused buffer of the whole model, optim/tuning.py pseudo_gradient_exchange);
+  route's own buffers for the buckets its exchange uses (optim/tuning.py
+  pseudo_gradient_exchange cuts it by the fusion threshold, as the gradient route;
+  ``pseudo_bucket_bytes=0`` prices the single fused buffer of the whole model it used before);
 * ``device="gpu"``: the route's tensors live on the GPU, and what crosses to MPI is staged in
   page-locked host buffers per slot (:class:`stella_mpi.base.devices.DeviceRoute`): the
   ``cross`` slot of the dense route (one shard), the selection for the sparse route; these are
@@ -139,7 +140,8 @@ def route_memory(route, cluster_sizes, param_numels, fusion_bytes=None, device="
         pk = _field(pseudo, "kind")
         if pk == "local":
             raise ValueError("a local route's pseudo-gradient route cannot itself be local")
-        plan = ([numels] if pseudo_bucket_bytes is None else buckets(numels, pseudo_bucket_bytes))
+        plan = ([numels] if pseudo_bucket_bytes == 0 else
+                buckets(numels, fusion_bytes if pseudo_bucket_bytes is None else pseudo_bucket_bytes))
         if c > 1:
             _cross_buffers(pk, _field(pseudo, "compressor"), _field(pseudo, "density", 0.01), _field(pseudo, "bits", 4),
                            c, g, uniform, plan, "pseudo_", device, out, bytes_per_entry)

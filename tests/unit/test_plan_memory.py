@@ -85,9 +85,13 @@ def test_gpu_staging_fp16_gather_and_local_steps():
     assert fp16["gather"] == 2 * total * 8 and fp16["wire"] == 2 * total and fp16["host_cross"] == 4 * total
     dense2 = pm.route_memory({"kind": "dense"}, [4, 4], numels, device="cpu")
     assert dense2["peer"] == 4 * split_counts(total, 4)[0] and "host_cross" not in dense2
-    local = pm.route_memory({"kind": "local", "pseudo": {"kind": "thc", "bits": 4}}, [2] * 4, numels)
+    local = pm.route_memory({"kind": "local", "pseudo": {"kind": "thc", "bits": 4}}, [2] * 4, numels,
+                            pseudo_bucket_bytes=0)
     assert local["anchor"] == local["outer_momentum"] == local["pseudo_gradient"] == 4 * total
-    assert local["pseudo_fusion"] == 4 * total   # the runtime fuses the whole model into one buffer
+    assert local["pseudo_fusion"] == 4 * total   # one fused buffer of the whole model (before issue 32)
+    cut = pm.route_memory({"kind": "local", "pseudo": {"kind": "thc", "bits": 4}}, [2] * 4, numels,
+                          fusion_bytes=4 * 8500)
+    assert cut["pseudo_fusion"] == 4 * 8000 and cut["pseudo_thc_rotated"] == 4 * 4000   # the runtime's buckets now
     assert local["pseudo_residual"] == 4 * split_counts(total, 2)[0]
     avg = pm.route_memory({"kind": "local"}, [2] * 4, numels, outer="average")
     assert "outer_momentum" not in avg
