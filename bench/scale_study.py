@@ -318,6 +318,23 @@ def plots(data, prefix):
     return files
 
 
+def compact(x):
+    """Floats to 5 significant digits (the JSON stays small; the model is not that precise)."""
+    if isinstance(x, float):
+        return float("%.5g" % x)
+    if isinstance(x, dict):
+        return {k: compact(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [compact(v) for v in x]
+    return x
+
+
+def table(data):
+    """The grid as {"columns": [...], "rows": [[...], ...]} (rows of dicts repeat every key)."""
+    cols = list(data["grid"][0])
+    return dict(data, grid={"columns": cols, "rows": [[r[c] for c in cols] for r in data["grid"]]})
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="a100-80gb", help="GPU kind (stella_mpi/plan/gpus.py)")
@@ -371,7 +388,7 @@ def main(argv=None):
     if not args.no_plots:
         data["plots"] = plots(data, "scale" + tag)
     with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(dict(compact(table(data)), provenance=data["provenance"]), f, separators=(",", ":"))
     print("wrote %s (%d rows, kernels measured in %.1f s, total %.1f s)" % (path, len(grid), t_measure,
                                                                            time.time() - t0))
 
