@@ -74,6 +74,13 @@ def allreduce_bytes(nbytes, nclusters):
     return nbytes * (nclusters - 1) if nclusters == 2 else 2 * nbytes * (nclusters - 1) // nclusters
 
 
+def cross_reduce_bytes(n, item, nclusters, small_float):
+    """Bytes one rank sends (and receives) in :meth:`Hierarchy.cross_reduce` of ``n`` elements of
+    ``item`` bytes each on the wire over ``nclusters`` clusters: 16-bit floats are all-gathered
+    (every other cluster's copy arrives), other dtypes allreduced (:func:`allreduce_bytes`)."""
+    return n * item * (nclusters - 1) if small_float else allreduce_bytes(n * item, nclusters)
+
+
 class Hierarchy:
     """Collectives of one process set over its two levels.
 
@@ -306,8 +313,7 @@ class Hierarchy:
         else:
             wire = buf
         item = wire.element_size()
-        # 16-bit floats are all-gathered (every other cluster's copy arrives)
-        moved = n * item * (nclusters - 1) if small_float else allreduce_bytes(n * item, nclusters)
+        moved = cross_reduce_bytes(n, item, nclusters, small_float)
         self.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=1, elements=n, entries_sent=n)
         started = time.monotonic()
         with timeline.span("WAN_EXCHANGE", bytes_sent=moved, bytes_received=moved, clusters=nclusters):

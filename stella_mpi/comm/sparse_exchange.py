@@ -48,6 +48,30 @@ def payload_bound(n):
     return kernels.HEADER_BYTES + 8 * n + 4 * (n // kernels.SEGMENT + 1)
 
 
+def allgather_bytes(sizes, me):
+    """(bytes sent, bytes received) by position ``me`` of the all-gather of payloads of
+    ``sizes`` bytes (one per cluster, in comm order), as the WAN counters count them: its own
+    payload to each of the C - 1 others, theirs from them, and an 8-byte size each way in the
+    first round. Two messages (the sizes, then the payloads): :data:`ALLGATHER_MESSAGES`."""
+    others = len(sizes) - 1
+    return int(sizes[me]) * others + 8 * others, int(sum(sizes)) - int(sizes[me]) + 8 * others
+
+
+ALLGATHER_MESSAGES = 2
+
+
+def swap_bytes(mine, theirs):
+    """(bytes sent, bytes received) of one round of the tree: a payload each way, after its
+    8-byte size."""
+    return mine + 8, theirs + 8
+
+
+def tree_messages(nranks):
+    """Messages the tree counts over ``nranks`` (a power of two) clusters: two per round (size,
+    payload), log2(nranks) rounds."""
+    return 2 * (nranks.bit_length() - 1)
+
+
 def _check_announced(hier, kind, index, size, n, what):
     """A peer's announced payload size, before anything is allocated for it."""
     if not kernels.HEADER_BYTES <= size <= payload_bound(n):
@@ -76,8 +100,7 @@ def _exchange_payloads(hier, comm, payload, n, kind, what):
     displs = displacements(sizes.tolist())
     dl.wait(comm.Iallgatherv(payload.numpy(), [out.numpy(), sizes.tolist(), displs, MPI.BYTE]), what)
     pieces = [out[d:d + int(s)] for d, s in zip(displs, sizes)]
-    sent = int(sizes[me]) * (nranks - 1) + 8 * (nranks - 1)
-    received = total - int(sizes[me]) + 8 * (nranks - 1)
+    sent, received = allgather_bytes(sizes.tolist(), me)
     hier.pacer.pace(max(sent, received), started, rounds=2)
     return pieces, sent, received
 
@@ -94,7 +117,7 @@ def _swap_payload(hier, comm, partner, payload, n, kind, what):
     dl.wait_all([comm.Isend(payload.numpy(), dest=partner, tag=92),
                  comm.Irecv(theirs.numpy(), source=partner, tag=92)], what)
     hier.pacer.pace(max(payload.numel(), theirs.numel()) + 8, started, rounds=2)
-    return theirs, payload.numel() + 8, theirs.numel() + 8
+    return (theirs,) + swap_bytes(payload.numel(), theirs.numel())
 
 
 def _decode_from(hier, comp, piece, ctx, n, kind, index, name):
@@ -157,7 +180,7 @@ def tree_reduce(hier, comm, sel, comp, ctx, memory, key, n, kind, device="cpu"):
         t_decode += t2 - t1
         t_merge += t3 - t2
         r <<= 1
-    hier.stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2 * (nranks.bit_length() - 1),
+    hier.stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=tree_messages(nranks),
                    exchange_s=t_exchange, decode_s=t_decode, merge_s=t_merge)
     return current
 
@@ -244,7 +267,8 @@ def _allgather_reduce(hier, comm, sel, comp, ctx, n, kind):
     timeline.record("WAN_EXCHANGE", t2, t3, bytes_sent=sent, bytes_received=received, clusters=len(pieces))
     timeline.record("DECODE", t3, t4)
     timeline.record("MERGE", t4, t5, entries=len(merged))
-    hier.stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=2, encode_s=t2 - t1,
+    hier.stats.add(wan_bytes_sent=sent, wan_bytes_received=received, wan_messages=ALLGATHER_MESSAGES,
+                   encode_s=t2 - t1,
                    exchange_s=t3 - t2, decode_s=t4 - t3, merge_s=t5 - t4)
     return merged
 

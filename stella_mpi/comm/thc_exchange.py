@@ -21,11 +21,25 @@ import torch
 from mpi4py import MPI
 
 from .._native import MalformedPayloadError
+from .._native import thc as thc_kernels
 from ..base import timeline
 from ..base.devices import route_for
 from ..compression import TensorContext
 from .hierarchy import allreduce_bytes
 from .sparse_exchange import PeerPayloadError, sender_rank, residual_key
+
+
+THC_MESSAGES = 2   # the scale round, then the words
+
+
+def thc_bytes(comp, n, nclusters):
+    """(bytes of the scale round, bytes of the words) one rank sends (and receives) to sum ``n``
+    entries over ``nclusters`` clusters through ``comp``, as counted: each round an allreduce
+    (:func:`.hierarchy.allreduce_bytes`) of the float32 block maxima plus the NaN flag, then of
+    the uint64 words whose lanes are wide enough for the sum over the clusters."""
+    scales = thc_kernels.scale_count(n, comp.block_log2) + 1
+    words = thc_kernels.words_for(n, comp.lane_bits(nclusters))
+    return allreduce_bytes(4 * scales, nclusters), allreduce_bytes(8 * words, nclusters)
 
 
 def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
@@ -48,7 +62,7 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
         agreed = hier.tamper(agreed)
     started = time.monotonic()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [agreed.view(np.int32), MPI.INT32_T], op=MPI.MAX), "THC scales of %r" % key)
-    scale_bytes = allreduce_bytes(agreed.nbytes, nclusters)
+    scale_bytes, word_bytes = thc_bytes(comp, n, nclusters)
     hier.pacer.pace(scale_bytes, started)
     t_scales = time.perf_counter() - t1
     bits = agreed.view(np.int32)
@@ -73,7 +87,6 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     t2 = time.perf_counter()
     started = time.monotonic()
     dl.wait(comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], op=MPI.SUM), "THC lanes of %r" % key)
-    word_bytes = allreduce_bytes(words.nbytes, nclusters)
     hier.pacer.pace(word_bytes, started)   # (the quantization between the two rounds is not link time)
     moved = word_bytes + scale_bytes
     t3 = time.perf_counter()
@@ -87,7 +100,7 @@ def thc_reduce(hier, host, comp, memory, key, step, seed, comm, kind):
     timeline.record("WAN_EXCHANGE", t2, t3, bytes_sent=moved, bytes_received=moved, clusters=nclusters)
     timeline.record("DECODE", t3, t4)
     # exchange: the two rounds (scales, words); encode: begin and quantize, without the scale round
-    hier.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=2, elements=n, entries_sent=n,
+    hier.stats.add(wan_bytes_sent=moved, wan_bytes_received=moved, wan_messages=THC_MESSAGES, elements=n, entries_sent=n,
                    encode_s=t2 - t0 - t_scales, exchange_s=t_scales + t3 - t2, decode_s=t4 - t3, select_s=t1 - t0)
     res = memory.get(key) if memory is not None else None
     hier.stats.add_norms(float(torch.dot(res, res)) if res is not None and res.numel() else 0.0, grad_sq)

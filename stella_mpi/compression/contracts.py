@@ -284,6 +284,9 @@ class SparseCompressor(Compressor):
         return Selection(idx, val, int(numel))
 
     implicit_indices = False   # payloads whose indices a random-k key implies (random-k only)
+    # whether a payload's size follows from (numel, k) alone: every selection has exactly k entries
+    # (the planner, stella_mpi/plan/wire.py, sizes it without data; else it needs the selections)
+    payload_from_sizes = False
 
     def _expected_key(self, ctx, numel):
         return 0

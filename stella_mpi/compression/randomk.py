@@ -9,6 +9,7 @@ class RandomKCompressor(SparseCompressor):
     name, step, numel, k); the payload carries the values only."""
     name = "randomk"
     implicit_indices = True
+    payload_from_sizes = True
 
     def _key(self, ctx):
         return kernels.randomk_key(ctx.seed, ctx.name, ctx.step)

@@ -72,6 +72,15 @@ def plan_by_size(sequences, cap):
     return out
 
 
+def plan_gradient_buckets(params, cap):
+    """The synchronous routes' default plan: ``params`` (in registration order) taken in reverse
+    (roughly the order backward produces them) and cut by :func:`plan_by_size` into buckets of
+    at most ``cap`` bytes. Returns the buckets' parameter lists, in launch order. Pure: it reads
+    ``numel()``, ``element_size()``, ``dtype`` and ``device`` only (meta tensors will do:
+    stella_mpi/plan/wire.py plans with them)."""
+    return [b for _, b in plan_by_size([list(reversed(params))], cap)]
+
+
 def plan_by_groups(params, groups):
     """Horovod's ``groups``: an int (that many buckets of consecutive parameters, in reverse
     order) or a list of lists of parameters (each a bucket; the others one bucket each); then

@@ -30,7 +30,7 @@ from ..base.errors import NonFiniteGradientError
 from ..compression import Compression, Memory
 from ..core import state
 from ..core.process_sets import global_process_set
-from .buckets import BucketedOptimizer, parameter_names, plan_by_groups, plan_by_size
+from .buckets import BucketedOptimizer, parameter_names, plan_by_groups, plan_gradient_buckets
 from .momentum_correction import MomentumCorrectionState
 from .routes.sync import SyncBucket
 from .spec import build_spec, refuse
@@ -119,7 +119,7 @@ class _DistributedOptimizer(BucketedOptimizer):
         groups = self._spec.groups
         if groups is None or groups == 0:
             cap = state.current().config.fusion_threshold
-            planned = [b for _, b in plan_by_size([list(reversed(self._params))], cap)]
+            planned = plan_gradient_buckets(self._params, cap)
         else:
             planned = plan_by_groups(self._params, groups)
         return [SyncBucket(i, b) for i, b in enumerate(planned)]

@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # stella_mpi's rooms, lowest first: a module may import its own room and the rooms before it.
-LAYERS = ["base", "_native", "compression", "comm", "core", "api", "adjust", "optim", "elastic", "ddp"]
+LAYERS = ["base", "_native", "compression", "comm", "core", "api", "adjust", "optim", "elastic", "ddp", "plan"]
 TOP = len(LAYERS)   # the package itself (stella_mpi/__init__.py) re-exports from every room
 LAUNCHER_NEVER_LOADS = ("stella_mpi", "torch", "mpi4py", "numpy")
 
