@@ -47,11 +47,13 @@ from ..api.handles import synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average
 from ..base import timeline
+from ..base.errors import NonFiniteGradientError
 from ..comm.hierarchy import allreduce_bytes
 from ..compression import Compression
 from ..core import state
 from ..core.process_sets import global_process_set
 from .agreement import check_agreement
+from .buckets import plan_by_size
 from .clusters import cluster_process_set
 from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
@@ -128,10 +130,28 @@ def sparse_route(opt, compression):
 def pseudo_gradient_exchange(comp, name):
     """The blocking exchange of local steps' pseudo-gradients over all ranks through ``comp``:
     a sparse or THC compressor (one fused buffer, one error-feedback residual per shard), or a
-    dense one (fp16/bf16/none)."""
+    dense one (fp16/bf16/none).
+
+    A sparse or THC exchange is cut into buckets of ``STELLA_FUSION_THRESHOLD`` bytes, as the
+    gradient route's (one residual per bucket shard, ``<name>.<i>``; one bucket keeps ``name``):
+    a single fused buffer of the whole model needed a second copy of every parameter and, from
+    2**31 elements per shard on (a 70B model on 8 GPUs per cluster), more than the kernels take
+    (bench/scale_study.py, docs/design/scale.md). Every bucket is waited for before a refused
+    one raises, so all ranks leave the exchange alike."""
     def exchange(deltas):
         if getattr(comp, "sparse", False):
-            return synchronize(compressed_allreduce_async(deltas, comp, name, Average, inplace=True))
+            groups = [b for _, b in plan_by_size([deltas], state.current().config.fusion_threshold)]
+            handles = [compressed_allreduce_async(g, comp, name if len(groups) == 1 else "%s.%d" % (name, i), Average,
+                                                  inplace=True) for i, g in enumerate(groups)]
+            out, error = [], None
+            for h in handles:
+                try:
+                    out += synchronize(h)
+                except NonFiniteGradientError as e:
+                    error = error or e
+            if error is not None:
+                raise error
+            return out
         pairs = [comp.compress(d) for d in deltas]
         # gradients=True: a NaN/Inf on any rank refuses the exchange on every rank (as the
         # sparse and THC exchanges do), unless STELLA_NONFINITE=off
