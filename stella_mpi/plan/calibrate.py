@@ -137,9 +137,11 @@ def run_route(hvd, route, source, per_rank, model_args, init_state, steps, targe
                      "wan_bytes_sent": last["wan_bytes_sent"], "wan_bytes_received": last["wan_bytes_received"],
                      "wan_messages": last["wan_messages"], "residual_ratio": last.get("residual_norm_ratio")})
         if w.evaluate is not None and (step % every_eval == 0 or step == steps):
+            if route.overlap:
+                opt.drain()
             curve.append((step, held_out()))
-    if hasattr(opt, "drain"):
-        opt.drain()
+    if route.overlap:
+        opt.drain()   # the CPU engine's updates in flight
     tail = rows[len(rows) // 2:]   # past the sparse density's warm-up and the first periods
 
     def med(key):

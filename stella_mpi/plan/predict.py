@@ -31,8 +31,11 @@ from typing import List, Optional
 from ..adjust.controller import Controller, Estimate, split_batch
 from ..adjust.mode_rule import local_step_time
 from ..adjust.settings import AdjusterSettings
+from ..comm.sparse_exchange import choose_algorithm
+from .._native import compress as codec
 from . import wire
 
+STEADY = 100000           # the step whose traffic is predicted: past every warm-up
 HERE = "here"            # the kind of this machine's CPU ranks (what the planner is checked against)
 RESET_S = 5.0            # seconds an elastic reset takes after a revocation (bench_elastic.py: under 5 s)
 
@@ -126,32 +129,70 @@ class Machine:
         return self.gpu(kind).intra_gbps * 8e9
 
 
-def _cpu_work(machine, route, measured, traffic, layout, numel):
-    """The route's CPU work per step on the busiest rank (selection, encoding, decoding, merge):
-    the calibration's measurement of this route scaled by the kernels' costs from its layout (two
-    clusters, whole buffers) to this one; without a measurement, the kernels' costs alone."""
+def _cpu_work(machine, route, measured, traffic, layout, param_numels, fusion_bytes):
+    """The route's CPU work per period on the busiest rank (selection, encoding, decoding,
+    merge): the calibration's measurement of this route scaled by the kernels' costs from its
+    layout (two clusters of one rank: whole buffers) to this one; without a measurement, the
+    kernels' costs alone."""
     costs = machine.costs
     w = route.wire if route.wire.kind != "local" else (route.wire.pseudo or wire.Route(kind="dense"))
-    C = len(layout.clusters)
-    elements = max(t["elements"] for t in traffic)
-    entries = max(t["entries_sent"] for t in traffic)
 
-    def model(n, k, c):
+    def model(rows, c):
+        n = max(t["elements"] for t in rows)
+        k = max(t["entries_sent"] for t in rows)
         if costs is None:
             return None
         if w.kind == "sparse":
-            return costs.sparse_cpu_s(w.compressor, n, k, c, wire.algorithm_for(w, c, k))
+            return costs.sparse_cpu_s(w.compressor, n, k, c, choose_algorithm(w.algorithm, c, 8 * k))
         if w.kind == "thc":
             return costs.thc_cpu_s(n, w.bits, c)
         return costs.dense_cpu_s(n, c)
-    here = model(elements, entries, C)
-    if measured is not None:
-        calib_entries = measured.get("entries", entries * numel / max(elements, 1))
-        there = model(numel, calib_entries, 2)
-        if here is not None and there:
-            return measured["cpu_s"] * here / there
-        return measured["cpu_s"] * elements / max(numel, 1)
-    return here or 0.0
+    here = model(traffic, len(layout.clusters))
+    if measured is None:
+        return here or 0.0
+    calib = traffic_of(route, [1, 1], param_numels, fusion_bytes, measured)
+    there = model(calib, 2)
+    if here is not None and there:
+        return measured["cpu_s"] * here / there
+    return measured["cpu_s"] * max(t["elements"] for t in traffic) / max(max(t["elements"] for t in calib), 1)
+
+
+def payload_scale(route, param_numels, fusion_bytes, measured, nclusters=2):
+    """For a compressor whose payload depends on the data (cache-aware blocks, threshold): its
+    bytes over what the same number of entries as explicit indices would take, measured in the
+    calibration's run of this route (two clusters, one rank each); 1 without a measurement."""
+    if measured is None or not measured.get("wan_bytes_sent"):
+        return 1.0
+    sized = wire.step_traffic(route, [1] * nclusters, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
+                              payload=_as_indices(1.0))
+    return measured["wan_bytes_sent"] / max(sized[0]["wan_bytes_sent"], 1)
+
+
+def _as_indices(scale):
+    """A payload callable: k entries with explicit indices in the codec's smallest scheme, times
+    ``scale``."""
+    def payload(q):
+        comp = q.compressor
+        k = comp.k_for(q.n)
+        nbytes = codec.payload_size(q.n, k, 0, codec.choose_scheme(q.n, k), comp.value_dtype)
+        return wire.Payload(int(round(nbytes * scale)), k)
+    return payload
+
+
+def traffic_of(route, sizes, param_numels, fusion_bytes=None, measured=None):
+    """Each rank's counters summed over one period (H steps of local steps, else one step), in
+    steady state (past the density warm-up)."""
+    w = route.wire
+    every = w.every if w.kind == "local" else 1
+    comp = (w.pseudo if w.kind == "local" else w)
+    payload = None
+    if comp is not None and comp.kind == "sparse" and not getattr(comp.make_compressor(), "payload_from_sizes",
+                                                                  False):
+        payload = _as_indices(payload_scale(route.wire, param_numels, fusion_bytes, measured))
+    base = STEADY - STEADY % every
+    steps = [wire.step_traffic(w, sizes, param_numels, fusion_bytes=fusion_bytes, step=base + s, payload=payload)
+             for s in range(every)]
+    return [{k: sum(step[r][k] for step in steps) for k in wire.COUNTED} for r in range(len(steps[0]))]
 
 
 def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None):
@@ -167,9 +208,7 @@ def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=No
     ranks = layout.ranks()
     compute = max(machine.seconds_per_pass(c.kind, b, oversub[i]) for (i, c), b in zip(ranks, batch))
     every = route.wire.every if route.wire.kind == "local" else 1
-    steps = [wire.step_traffic(route.wire, layout.sizes, param_numels, fusion_bytes=fusion_bytes, step=s)
-             for s in range(every)]
-    traffic = [{k: sum(step[r][k] for step in steps) for k in steps[0][r]} for r in range(len(ranks))]
+    traffic = traffic_of(route, layout.sizes, param_numels, fusion_bytes, measured)
     busiest = None
     for i, c in enumerate(layout.clusters):
         members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
@@ -184,7 +223,7 @@ def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=No
     worst = max(range(len(layout.clusters)), key=lambda i: oversub[i])
     kind = layout.clusters[worst].kind
     k = layout.clusters[worst].count
-    cpu = _cpu_work(machine, route, measured, traffic, layout, numel) * oversub[worst]
+    cpu = _cpu_work(machine, route, measured, traffic, layout, param_numels, fusion_bytes) * oversub[worst]
     intra = 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub[worst]) if k > 1 else 0.0
     rest = 0.0
     if measured is not None:

@@ -7,7 +7,7 @@ import math
 import os
 
 from . import routes as route_table
-from .predict import Machine, layout_from_spec, predict, time_to_target
+from .predict import HERE, Machine, layout_from_spec, predict, time_to_target
 from .workload import SIZES
 
 QUALITY_TOLERANCE = 0.01
@@ -48,6 +48,12 @@ def plan(spec, calib, table=None):
         spec = dict(spec, global_batch=calib.get("global_batch") or 64)
     layout = layout_from_spec(spec)
     machine = Machine(calib, table, costs)
+    for i, c in enumerate(layout.clusters):   # an unknown kind ends the plan, naming the cluster
+        if c.kind != HERE:
+            try:
+                machine.gpu(c.kind)
+            except ValueError as e:
+                raise ValueError("cluster %d: %s" % (i, e)) from None
     fusion = int(spec["fusion_threshold_mb"] * 2 ** 20) if spec.get("fusion_threshold_mb") else None
     measured_routes = calib.get("routes") or {}
     dense_curve = (measured_routes.get("dense") or {}).get("curve")

@@ -1,0 +1,109 @@
+"""The planner's prediction from a calibration record (the arithmetic of stella_mpi/plan/predict.py
+and report.py, no MPI): it follows the link, the oversubscription of a host, revocations and
+prices, and refuses what it cannot predict with the reason."""
+import copy
+import math
+
+import pytest
+
+from stella_mpi.plan import routes as route_table
+from stella_mpi.plan.gpus import load_table
+from stella_mpi.plan.predict import Cluster, Layout, Machine, predict, time_to_target
+from stella_mpi.plan.report import plan, table_text
+
+PARAMS = [8192, 262144, 256, 65536, 256, 65536, 256]
+
+
+def calibration(**over):
+    rec = {"step_s": 0.03, "compute_s": 0.01, "optimizer_call_s": 0.02, "exchange_s": 0.01, "cpu_s": 0.004,
+           "wan_bytes_sent": 20000.0, "wan_bytes_received": 20000.0, "wan_messages": 4.0, "residual_ratio": 1.0}
+    c = {"ranks": 2, "clusters": 2, "link": {"latency_s": 1e-4, "pair_bps": 1e9, "bandwidth_bps": 1e9},
+         "fabric_bps": 2e10, "kernel_costs": None, "global_batch": 64, "per_rank_batch": 32,
+         "param_numels": PARAMS, "optimizer_s": 0.002,
+         "compute": [{"per_sample_s": 2e-4, "intercept_s": 1e-3, "flops_per_sample": 3e6}] * 2,
+         "routes": {r.name: {"ranks": [dict(rec)] * 2, "curve": [(0, 5.5), (50, 4.0), (100, 3.0)], "steps": 100,
+                             "step_s": 0.03, "steps_to_target": 75.0} for r in route_table.ROUTES}}
+    c.update(over)
+    return c
+
+
+def layout(link=100e6, sizes=(2, 2), kind="here", cores=2, **kw):
+    return Layout([Cluster(count=n, kind=kind, link_bps=link, **kw) for n in sizes], global_batch=64, cores=cores)
+
+
+def test_a_slower_link_costs_exactly_its_bytes():
+    m = Machine(calibration())
+    dense = route_table.BY_NAME["dense"]
+    fast, slow = (predict(dense, layout(rate), m, PARAMS) for rate in (100e6, 20e6))
+    assert slow["cluster_uplink_bytes_per_step"] == fast["cluster_uplink_bytes_per_step"] > 0
+    extra = 8 * fast["cluster_uplink_bytes_per_step"] * (1 / 20e6 - 1 / 100e6)
+    assert slow["step_s"] - fast["step_s"] == pytest.approx(extra, rel=1e-9)
+    assert slow["utilisation"] < fast["utilisation"] <= 1
+
+
+def test_ranks_sharing_a_host_slow_each_other():
+    m = Machine(calibration())
+    dense = route_table.BY_NAME["dense"]
+    two = predict(dense, layout(sizes=(1, 1), cores=2), m, PARAMS)
+    eight = predict(dense, layout(sizes=(4, 4), cores=2), m, PARAMS)
+    # the same global batch over 4x the ranks, each rank with a quarter of a core
+    per_rank = lambda n: 1e-3 + 2e-4 * 64 / n
+    assert two["compute_s"] == pytest.approx(per_rank(2))
+    assert eight["compute_s"] == pytest.approx(per_rank(8) * 4)
+
+
+def test_local_steps_pay_the_exchange_once_per_period():
+    m = Machine(calibration())
+    p8 = predict(route_table.BY_NAME["local-8-thc4"], layout(), m, PARAMS)
+    p32 = predict(route_table.BY_NAME["local-32-thc4"], layout(), m, PARAMS)
+    assert p32["wan_bytes_per_step"] == pytest.approx(p8["wan_bytes_per_step"] / 4, rel=1e-6)
+    assert p32["step_s"] < p8["step_s"]
+
+
+def test_revocations_and_prices():
+    lay = layout(price=2.0, revocations=0.5)
+    pred = {"step_s": 1.0}
+    t = time_to_target(pred, 3600, lay, commit_every=100)
+    # 4 GPUs x 0.5 per hour = 2 revocations per hour, each losing 50 steps + the reset
+    share = 2 / 3600 * (50 + 5.0)
+    assert t["seconds_with_revocations"] == pytest.approx(3600 / (1 - share))
+    assert t["cost_usd"] == pytest.approx(t["seconds_with_revocations"] / 3600 * 4 * 2.0)
+    doomed = time_to_target(pred, 3600, layout(revocations=1000.0), commit_every=100)
+    assert math.isinf(doomed["seconds_with_revocations"]) and "commit more often" in doomed["revocation_note"]
+
+
+def _spec(**over):
+    s = {"model": {"source": "x.py"}, "clusters": [{"count": 2, "kind": "here", "link": 100e6}] * 2,
+         "global_batch": 64, "target_loss": 3.5, "target_steps": None, "budget_hours": None, "commit_every": 100,
+         "routes": None, "fusion_threshold_mb": None, "cores": 2, "link_delay_s": 0.0}
+    s.update(over)
+    return s
+
+
+def test_the_plan_recommends_the_soonest_and_says_what_cannot_reach():
+    calib = calibration()
+    calib["routes"]["dense"]["steps_to_target"] = None
+    result = plan(_spec(), calib, load_table())
+    rows = {r["route"]: r for r in result["predictions"]}
+    assert rows["dense"]["unreachable"] == "not reached in the calibration's 100 steps"
+    best = min((r for r in rows.values() if "to_target" in r), key=lambda r: r["to_target"]["seconds"])
+    assert result["recommendation"]["route"] == best["route"]
+    text = table_text(result)
+    assert "recommended: %s" % best["route"] in text and "not reached" in text
+
+
+def test_a_budget_too_small_is_said():
+    result = plan(_spec(budget_hours=1e-6), calibration(), load_table())
+    assert all(r["unreachable"].startswith("needs more than the budget") for r in result["predictions"])
+    assert "no route reaches the target within the budget" in result["recommendation"]["why"]
+
+
+def test_gpu_kinds_take_compute_from_flops_and_an_unknown_kind_is_named():
+    calib = calibration()
+    result = plan(_spec(clusters=[{"count": 4, "kind": "h100", "link": 1e9}, {"count": 2, "kind": "rtx4090",
+                                                                                 "link": 1e9}]), calib, load_table())
+    split = result["recommendation"]["batch_split"]
+    assert sum(split) == 64 and split[0] > split[-1]   # the faster kind takes more of the batch
+    with pytest.raises(ValueError) as e:
+        plan(_spec(clusters=[{"count": 1, "kind": "tpu9", "link": 1e9}] * 2), copy.deepcopy(calib), load_table())
+    assert "tpu9" in str(e.value) and "h100" in str(e.value) and "--gpu-table" in str(e.value)
