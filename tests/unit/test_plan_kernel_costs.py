@@ -6,6 +6,18 @@ import pytest
 from stella_mpi.plan import kernel_costs as kc
 
 FACTOR = 4.0   # loose: a shared 2-core machine; the point is the fit's form, not its digits
+TRIES = 3      # another process can slow one timing 20x: fit and measure again before failing
+
+
+def _within(check):
+    """check(costs) -> list of (predicted, measured); passes if one try has every pair within FACTOR."""
+    last = None
+    for i in range(TRIES):
+        pairs = check(kc.measure(quick=True))
+        if all(p / FACTOR < m < p * FACTOR for p, m in pairs):
+            return
+        last = pairs
+    raise AssertionError("fit against direct measurement, %d tries: %r" % (TRIES, last))
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +38,29 @@ def test_every_cost_is_measured_and_positive(costs):
         kc.KernelCosts.from_dict(dict(d, bogus=1))
 
 
-def test_fit_predicts_the_merge_and_decode_at_an_unfitted_size(costs):
+def test_fit_predicts_the_merge_and_decode_at_an_unfitted_size():
     """24 virtual participants on a shard of 3 * 2**16 (the fit used powers of two)."""
     comp = kc._compressor("topk", 0.01)
     n, c = 3 << 16, 24
-    decode, merge, entries_in, merged = kc.time_allgather_merge(comp, n, c, repeats=3, seed=5)
     k = comp.k_for(n)
-    parts = costs.sparse_parts("topk", n, k, c, "allgather")
-    assert parts["merge"] / FACTOR < merge < parts["merge"] * FACTOR, (parts["merge"], merge)
-    assert parts["decode"] / FACTOR < decode < parts["decode"] * FACTOR, (parts["decode"], decode)
-    # the union of independent selections: the formula against the real merge
-    assert merged == pytest.approx(kc.merged_entries(n, k, c), rel=0.05)
+
+    def check(costs):
+        decode, merge, entries_in, merged = kc.time_allgather_merge(comp, n, c, repeats=3, seed=5)
+        # the union of independent selections: the formula against the real merge
+        assert merged == pytest.approx(kc.merged_entries(n, k, c), rel=0.05)
+        parts = costs.sparse_parts("topk", n, k, c, "allgather")
+        return [(parts["merge"], merge), (parts["decode"], decode)]
+    _within(check)
 
 
-def test_fit_predicts_the_selection_and_a_tree_round_at_an_unfitted_size(costs):
+def test_fit_predicts_a_tree_round_at_an_unfitted_size():
     comp = kc._compressor("topk", 0.01)
     n = 3 << 17
-    _, reselect, merged = kc.time_tree_round(comp, n, repeats=3, seed=3)
-    want = costs.reselect_s_per_entry * merged
-    assert want / FACTOR < reselect < want * FACTOR, (want, reselect)
+
+    def check(costs):
+        _, reselect, merged = kc.time_tree_round(comp, n, repeats=3, seed=3)
+        return [(costs.reselect_s_per_entry * merged, reselect)]
+    _within(check)
 
 
 def test_pricing_structure(costs):
