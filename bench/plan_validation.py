@@ -6,6 +6,12 @@ loss, predicted against measured.
 
     python bench/plan_validation.py [--quick] [--out bench/results/plan_validation_32.json]
 
+On this machine ranks share two cores, which ranks of GPU kinds never do, so each layout
+(ranks, clusters) is calibrated at its own ranks, over loopback (no WAN), as ``stellarun plan``
+calibrates clusters of the kind ``here``; the link's goodput over its nominal rate is measured
+once, across the emulated link at 100 Mbit/s. What is predicted is the rest: the WAN's bytes,
+messages and time at each rate, the route's CPU work, the steps to the target.
+
 Targets (issue 32): step time median absolute error <= 10 %, worst <= 25 %; time to target worst
 <= 30 %.
 """
@@ -65,7 +71,8 @@ def stellarun(args, timeout):
 
 
 def spec_for(ranks, clusters, link, route, base):
-    per = [ranks // clusters + (1 if i < ranks % clusters else 0) for i in range(clusters)]
+    from stella_mpi.plan.wire import layout
+    per = layout(ranks, clusters)
     return dict(base, clusters=[{"count": n, "kind": "here", "link": 1e12 if link is None else parse_rate(link)}
                                 for n in per], routes=route)
 
@@ -98,36 +105,54 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--global-batch", type=int, default=96)
-    ap.add_argument("--target-loss", type=float, default=2.9)
+    ap.add_argument("--target-loss", type=float, default=2.6)
     ap.add_argument("--quality-steps", type=int, default=240)
-    ap.add_argument("--calibration", help="reuse this calibration")
+    ap.add_argument("--calibrations", help="a folder of calibrations to reuse (and keep)")
     ap.add_argument("--only", type=int, nargs="*", help="configuration indices to run")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "plan_validation_32.json"))
     args = ap.parse_args()
-    from stella_mpi.plan import routes as route_table
     from stella_mpi.plan.gpus import load_table
     from stella_mpi.plan.report import plan
     work = tempfile.mkdtemp(prefix="plan-validation-")
+    table = load_table()
     base = {"model": {"source": MODEL, "args": {"hidden": str(args.hidden)}}, "global_batch": args.global_batch,
             "target_loss": args.target_loss, "target_steps": None, "budget_hours": None, "commit_every": 100,
             "quality_steps": args.quality_steps, "gpu_table": None, "link_delay_s": 0.0, "cores": None,
             "fusion_threshold_mb": None, "routes": ",".join(sorted({c[3] for c in CONFIGS}))}
-    calib_path = args.calibration
-    if calib_path is None:
-        calib_path = os.path.join(work, "calibration.json")
-        spec_path = os.path.join(work, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(dict(base, clusters=[{"count": 1, "kind": "here", "link": 1e9}] * 2), f)
-        stellarun(["-np", "2", "--clusters", "2", "--quiet", sys.executable, "-m", "stella_mpi.plan", "calibrate",
-                   "--spec", spec_path, "--out", calib_path], timeout=1800)
-    with open(calib_path) as f:
-        calib = json.load(f)
-    table = load_table()
+    # the link's goodput over its nominal rate, measured once across the emulated link (100 Mbit/s)
+    link_path = os.path.join(work, "link.json")
+    spec_path = os.path.join(work, "link_spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(dict(base, routes="dense", quality_steps=2, target_loss=None,
+                       clusters=[{"count": 1, "kind": "here", "link": 1e8}] * 2), f)
+    stellarun(["-np", "2", "--clusters", "2", "--quiet", "--wan", "100mbit", sys.executable, "-m", "stella_mpi.plan",
+               "calibrate", "--spec", spec_path, "--out", link_path], timeout=600)
+    with open(link_path) as f:
+        efficiency = json.load(f)["link"]["efficiency"]
+    print("link goodput over nominal: %.3f" % efficiency, flush=True)
+    # on this machine ranks share its two cores, so each layout is calibrated at its own ranks and
+    # clusters (stellarun plan does the same for clusters of the kind 'here'), without a WAN
+    calibs = {}
+    for ranks, clusters in sorted({(c[0], c[1]) for i, c in enumerate(CONFIGS) if not args.only or i in args.only}):
+        path = os.path.join(args.calibrations or work, "calibration_%dx%d.json" % (ranks, clusters))
+        if not os.path.exists(path):
+            spec_path = os.path.join(work, "spec_%dx%d.json" % (ranks, clusters))
+            routes = sorted({c[3] for c in CONFIGS if c[:2] == (ranks, clusters)})
+            if any(r.startswith("local") for r in routes):
+                routes.append("thc-4")   # the pseudo-gradient's CPU work is measured on its synchronous route
+            with open(spec_path, "w") as f:
+                json.dump(dict(spec_for(ranks, clusters, None, ",".join(sorted(set(routes))), base)), f)
+            stellarun(["-np", str(ranks), "--clusters", str(clusters), "--quiet", sys.executable, "-m",
+                       "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", path], timeout=1800)
+        with open(path) as f:
+            calibs[(ranks, clusters)] = json.load(f)
+    base["link_efficiency"] = efficiency
     rows = []
     for i, (ranks, clusters, link, route) in enumerate(CONFIGS):
         if args.only and i not in args.only:
             continue
         spec = spec_for(ranks, clusters, link, route, base)
+        calib = calibs[(ranks, clusters)]
         pred = plan(spec, calib, table)["predictions"][0]
         steps_target = (calib["routes"][route].get("steps_to_target") or args.quality_steps)
         steps = int(math.ceil(steps_target * 1.25)) + 20
@@ -135,6 +160,8 @@ def main():
         cmd = ["-np", str(ranks), "--clusters", str(clusters), "--quiet", "--timeout", "300"]
         if link:
             cmd += ["--wan", link]
+        if route in ("dense", "fp16"):
+            cmd += ["--wan-route", "dense"]   # Horovod's route, not the automatic one
         cmd += [sys.executable, TRAIN, "--hidden", str(args.hidden), "--batch-size", str(args.global_batch // ranks),
                 "--optimizer", "sgd", "--lr", "0.05", "--steps", str(steps), "--eval-every", "10", "--log-every",
                 "1000", "--json-out", out] + TRAIN_ARGS[route]
@@ -168,8 +195,10 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"provenance": provenance(), "command": "python bench/plan_validation.py", "summary": summary,
-                   "configs": rows, "calibration": {k: calib[k] for k in ("link", "fabric_bps", "optimizer_s",
-                                                                           "compute", "global_batch")}}, f, indent=1)
+                   "link_efficiency": efficiency, "configs": rows,
+                   "calibrations": {"%dx%d" % k: {f: c[f] for f in ("link", "fabric_bps", "optimizer_s", "compute",
+                                                                     "global_batch")} for k, c in calibs.items()}},
+                  f, indent=1)
     print("written to %s" % args.out)
 
 

@@ -11,13 +11,15 @@ by all-gather and by tree, THC 4-bit, local steps H=32 with a THC 4-bit pseudo-g
 
 Per rank and step, summed over the buckets of the model:
 
-* WAN bytes: stella_mpi/plan/wire.py's step_traffic when the branch is merged, else the
-  runtime's own counting (comm/hierarchy.py, sparse_exchange.py, thc_exchange.py) restated in
-  :func:`traffic`; sparse payloads at the bytes per entry the real encoder wrote (KernelCosts).
-  A cluster's g ranks share its WAN link: wire time = 8 * g * max(sent, received) / link.
-* latency: each MPI collective over C ranks costs ceil(log2 C) rounds (an allreduce 2x), a swap
-  one round, at ``--latency`` seconds (one way, 25 ms by default); the buckets run one after the
-  other on the collective thread, so their latencies add up.
+* WAN bytes and messages: stella_mpi/plan/wire.py's step_traffic (the runtime's own counting,
+  matched exactly against the real runtime at 16 ranks in 8 clusters:
+  bench/plan_ground_truth.py); cache-aware payloads at the bytes per entry the real encoder
+  wrote (KernelCosts), the others' exact sizes. A cluster's g ranks share its WAN link: wire
+  time = 8 * max(sent, received by the cluster) / link.
+* latency: each counted message costs rounds (:func:`rounds_per_message`: an allreduce
+  2 ceil(log2 C), an all-gather ceil(log2 C), a tree swap one) at ``--latency`` seconds (one
+  way, 25 ms by default); the buckets run one after the other on the collective thread, so
+  their latencies add up.
 * CPU: KernelCosts measured here (select, encode, decode, merge with 2..64 virtual
   participants, the tree's re-selection, THC, the dense sum), on one core, ``--cpu-factor`` 1.
 * intra-cluster: a ring reduce-scatter + all-gather of the gradient, 2 (g-1)/g of its bytes at
@@ -43,11 +45,9 @@ sys.path.insert(0, ROOT)
 from provenance import provenance  # noqa: E402
 
 from stella_mpi.comm.buffers import split_counts  # noqa: E402
-from stella_mpi.comm.hierarchy import allreduce_bytes  # noqa: E402
 from stella_mpi.comm import sparse_exchange  # noqa: E402
 from stella_mpi._native import compress as ckernels  # noqa: E402
-from stella_mpi._native import thc as thc_kernels  # noqa: E402
-from stella_mpi.plan import gpus, kernel_costs, memory  # noqa: E402
+from stella_mpi.plan import gpus, kernel_costs, memory, wire  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 CLUSTERS = [2, 4, 8, 16, 32, 64]
@@ -79,25 +79,60 @@ def _rounds(c):
     return max(1, math.ceil(math.log2(c)))
 
 
-def traffic(kind, n, c, k=0, payload=0, bits=4, algorithm="allgather"):
-    """(bytes sent, bytes received, runtime messages, latency rounds) of one rank's shard of n
-    elements across c clusters, as the runtime counts them."""
-    if kind == "dense":
-        b = allreduce_bytes(4 * n, c)
-        return b, b, 1, 2 * _rounds(c)
-    if kind == "fp16":   # 2 clusters swap; from 3 on every cluster's 16-bit copy is all-gathered
-        b = 2 * n * (c - 1)
-        return b, b, 1, _rounds(c) if c > 2 else 1
-    if kind == "thc":
-        blocks = thc_kernels.scale_count(n, 10)
-        words = thc_kernels.words_for(n, thc_kernels.lane_bits(bits, c))
-        b = allreduce_bytes(4 * (blocks + 1), c) + allreduce_bytes(8 * words, c)
-        return b, b, 2, 4 * _rounds(c)
-    if kind == "sparse" and algorithm == "tree":
-        r = _rounds(c)
-        return r * (payload + 8), r * (payload + 8), 2 * r, 2 * r
-    b = payload * (c - 1) + 8 * (c - 1)
-    return b, b, 2, 2 * _rounds(c)
+def rounds_per_message(kind, algorithm, c):
+    """Latency rounds of one counted message over c clusters: an allreduce (dense, THC's two
+    rounds) 2 ceil(log2 C), fp16's all-gather ceil(log2 C) (a swap between two), the sparse
+    all-gather's sizes and payloads ceil(log2 C) each, a tree message one swap."""
+    if kind in ("dense", "thc"):
+        return 2 * _rounds(c)
+    if kind == "fp16":
+        return _rounds(c) if c > 2 else 1
+    return 1 if algorithm == "tree" else _rounds(c)
+
+
+def wire_route(kind, compressor, algorithm):
+    """The wire model's Route of a study route (stella_mpi/plan/wire.py: the runtime's own
+    counting, checked against the real runtime at 16 ranks in 8 clusters)."""
+    if kind == "local":
+        return wire.Route("local", every=H, pseudo=wire.Route("thc", bits=4))
+    if kind == "sparse":
+        return wire.Route("sparse", compressor=compressor, density=DENSITY, algorithm=algorithm)
+    return wire.Route(kind, bits=4)
+
+
+def payload_fn(costs, compressor):
+    """A virtual participant's payload: the compressor's k entries at the bytes per entry the real
+    encoder wrote (KernelCosts), for compressors whose payload depends on the data; None (the
+    wire model's exact sizes) for the others."""
+    if compressor is None or getattr(wire.Route("sparse", compressor=compressor, density=DENSITY).make_compressor(),
+                                     "payload_from_sizes", False):
+        return None
+    bpe = costs.payload_bytes_per_entry[compressor]
+
+    def payload(q):
+        k = q.compressor.k_for(q.n)
+        return wire.Payload(int(ckernels.HEADER_BYTES + round(bpe * k)), k)
+    return payload
+
+
+_TRAFFIC = {}
+
+
+def traffic(costs, route, numels, c, g, fusion, pseudo_bucket, model):
+    """Cluster 0's WAN traffic per step from wire.step_traffic: (bytes its g ranks send, bytes
+    they receive, the most messages a rank counts), local steps' averaged over the period."""
+    name, kind, compressor, algorithm = route
+    key = (model, name, c, g, fusion, pseudo_bucket)
+    if key not in _TRAFFIC:
+        r = wire_route(kind, compressor, algorithm)
+        every, step, fb = (H, H, fusion if pseudo_bucket is None else (pseudo_bucket or 1 << 62)) \
+            if kind == "local" else (1, 100000, fusion)
+        rows = wire.step_traffic(r, [g] * c, numels, fusion_bytes=fb, step=step, payload=payload_fn(costs, compressor))
+        mine = rows[:g]
+        _TRAFFIC[key] = (sum(x["wan_bytes_sent"] for x in mine) / every,
+                         sum(x["wan_bytes_received"] for x in mine) / every,
+                         max(x["wan_messages"] for x in rows) / every)
+    return _TRAFFIC[key]
 
 
 def step_time(compute_s, fixed_s, messages, latency_s, wire_bytes, bandwidth_bps):
@@ -129,34 +164,28 @@ def simulate(costs, model, numels, c, g, link, route, gpu, args, shards=None):
     total = sum(numels)
     compute = gpu.compute_s_per_sample(total, args.tokens) * args.samples
     intra = 2.0 * (g - 1) / g * 4 * total / (gpu.intra_gbps * 1e9) if g > 1 else 0.0
-    every = 1
-    if kind == "local":   # the pseudo-gradient: THC 4-bit over one fused buffer of the whole model, every H steps
+    sent, recv, msgs = traffic(costs, route, numels, c, g, args.fusion, args.pseudo_bucket, model)
+    every, cpu_kind = (H, "thc") if kind == "local" else (1, kind)
+    if kind == "local":   # the pseudo-gradient's buckets (one fused buffer with --pseudo-bucket 0)
         shards = collections.Counter({split_counts(total, g)[0]: 1}) if args.pseudo_bucket == 0 else \
             shard_counts(numels, g, args.fusion if args.pseudo_bucket is None else args.pseudo_bucket)
-        kind, every = "thc", H
     shards = shards if shards is not None else shard_counts(numels, g, args.fusion)
-    sent = recv = msgs = rounds = cpu = 0.0
+    cpu = 0.0
     for n, count in shards.items():
         k = max(1, int(round(DENSITY * n)))
-        payload = ckernels.HEADER_BYTES + costs.payload_bytes_per_entry.get(compressor or "topk", 8.0) * k
-        s, r, m, lr = traffic(kind, n, c, k, payload, 4, algorithm)
-        if kind == "sparse":
-            cpu_b = costs.sparse_cpu_s(compressor, n, k, c, algorithm, args.cpu_factor)
-        elif kind == "thc":
-            cpu_b = costs.thc_cpu_s(n, 4, c, args.cpu_factor)
+        if cpu_kind == "sparse":
+            cpu += count * costs.sparse_cpu_s(compressor, n, k, c, algorithm, args.cpu_factor)
+        elif cpu_kind == "thc":
+            cpu += count * costs.thc_cpu_s(n, 4, c, args.cpu_factor)
         else:
-            cpu_b = costs.dense_cpu_s(n, c, args.cpu_factor)
-        sent += s * count
-        recv += r * count
-        msgs += m * count
-        rounds += lr * count
-        cpu += cpu_b * count
-    sent, recv, msgs, rounds, cpu = (x / every for x in (sent, recv, msgs, rounds, cpu))
-    wire_bytes = g * max(sent, recv)   # the cluster's g ranks share its link
+            cpu += count * costs.dense_cpu_s(n, c, args.cpu_factor)
+    cpu /= every
+    rounds = msgs * rounds_per_message(cpu_kind, algorithm, c)
+    wire_bytes = max(sent, recv)   # the cluster's g ranks share its link
     step = step_time(compute, cpu + intra, rounds, args.latency, wire_bytes, link)
     return {"model": model, "params": total, "clusters": c, "gpus": g, "link_bps": link, "route": name,
             "step_s": step, "compute_s": compute, "cpu_s": cpu, "intra_s": intra, "latency_s": rounds * args.latency,
-            "wire_s": 8.0 * wire_bytes / link, "wan_bytes_sent": sent, "wan_bytes_received": recv,
+            "wire_s": 8.0 * wire_bytes / link, "wan_bytes_sent": sent / g, "wan_bytes_received": recv / g,
             "wan_messages": msgs, "latency_rounds": rounds, "utilisation": compute / step}
 
 
@@ -176,9 +205,17 @@ def crossover(costs, args):
                     row = {"link": link_name, "gpus": g, "clusters": c, "payload_bytes": payload, "compressor": comp,
                            "shard": n, "entries": k}
                     for algo in ("allgather", "tree"):
-                        s, r, _, lr = traffic("sparse", n, c, k, payload, algorithm=algo)
+                        # one shard channel (wire.step_traffic of one bucket over c clusters of one
+                        # rank, at a payload of the measured bytes per entry); the cluster's g channels share its link
+                        rows = wire.step_traffic(wire.Route("sparse", compressor=comp, density=DENSITY, algorithm=algo),
+                                                 [1] * c, [n], fusion_bytes=8 * n, step=100000,
+                                                 payload=lambda q, bpe=bpe: wire.Payload(
+                                                     int(ckernels.HEADER_BYTES + round(bpe * q.compressor.k_for(q.n))),
+                                                     q.compressor.k_for(q.n)))
+                        s_, r_ = rows[0]["wan_bytes_sent"], rows[0]["wan_bytes_received"]
+                        lr = rows[0]["wan_messages"] * rounds_per_message("sparse", algo, c)
                         cpu = costs.sparse_cpu_s(comp, n, k, c, algo, args.cpu_factor)
-                        row[algo + "_s"] = cpu + lr * args.latency + 8.0 * g * max(s, r) / link
+                        row[algo + "_s"] = cpu + lr * args.latency + 8.0 * g * max(s_, r_) / link
                         row[algo + "_cpu_s"] = cpu
                     row["best"] = "tree" if row["tree_s"] < row["allgather_s"] else "allgather"
                     row["runtime"] = sparse_exchange.choose_algorithm("auto", c, 8 * k)

@@ -102,9 +102,8 @@ def build_spec(args):
         raise PlanError("--commit-every %d: commit at least every step (>= 1)" % args.commit_every)
     if args.budget_hours is not None and not args.budget_hours > 0:
         raise PlanError("--budget-hours %r must be positive" % args.budget_hours)
-    if args.calibration_np < 2:
-        raise PlanError("--calibration-np %d: the calibration needs two clusters, one rank each at least"
-                        % args.calibration_np)
+    if args.link_efficiency is not None and not 0 < args.link_efficiency <= 1:
+        raise PlanError("--link-efficiency %r: a share of the nominal rate, in (0, 1]" % args.link_efficiency)
     delay = 0.0
     if args.link_delay:
         try:
@@ -122,7 +121,17 @@ def build_spec(args):
             "budget_hours": args.budget_hours, "commit_every": args.commit_every,
             "quality_steps": args.quality_steps, "gpu_table": args.gpu_table, "out": args.out,
             "plot": args.plot, "routes": args.routes, "fusion_threshold_mb": args.fusion_threshold_mb,
-            "cores": args.cores}
+            "cores": args.cores, "link_efficiency": args.link_efficiency}
+
+
+def calibration_layout(spec):
+    """(ranks, clusters) of the calibration job: two clusters of one rank; when every cluster is
+    of the kind ``here`` (this machine: ranks share its cores, which GPU ranks never do), the
+    layout asked for itself, so what it measures holds that sharing."""
+    clusters = spec["clusters"]
+    if all(c["kind"] == "here" for c in clusters) and len({c.get("host") for c in clusters}) == 1:
+        return sum(c["count"] for c in clusters), len(clusters)
+    return 2, 2
 
 
 def parse(argv):
@@ -138,6 +147,8 @@ def parse(argv):
                    help="one cluster (repeat for each)")
     p.add_argument("--link", default="100mbit", help="each cluster's uplink unless its own link= says otherwise")
     p.add_argument("--link-delay", help="one-way delay between clusters (e.g. 20ms)")
+    p.add_argument("--link-efficiency", type=float, help="goodput over nominal rate of the links (default: the "
+                                                           "calibration's, measured with --calibration-wan; else 1)")
     p.add_argument("--global-batch", type=int, help="samples per step over all GPUs (default: the model's)")
     p.add_argument("--target-loss", type=float, help="held-out loss to reach (its steps are measured per route)")
     p.add_argument("--target-steps", type=int, help="dense steps to the target, when the loss cannot be measured here")
@@ -151,7 +162,6 @@ def parse(argv):
     p.add_argument("--gpu-table", help="JSON file of extra GPU kinds (see stella_mpi/plan/gpus.py)")
     p.add_argument("--calibration", help="reuse this calibration JSON instead of measuring again")
     p.add_argument("--calibration-out", help="keep the calibration JSON here")
-    p.add_argument("--calibration-np", type=int, default=2, help="ranks of the calibration job (in two clusters)")
     p.add_argument("--calibration-wan", help="run the calibration across an emulated link of this rate")
     p.add_argument("--out", default=DEFAULT_OUT, help="the plan as JSON (default plan.json)")
     p.add_argument("--plot", help="the plan as a PNG (default: beside --out)")
@@ -184,8 +194,8 @@ def main(argv):
         calibration = args.calibration
         if calibration is None:
             calibration = args.calibration_out or os.path.join(work, "calibration.json")
-            cmd = [py, "-m", "stellarun", "-np", str(args.calibration_np), "--clusters", "2", "--quiet",
-                   "--timeout", "300"]
+            np_, nclusters = calibration_layout(spec)
+            cmd = [py, "-m", "stellarun", "-np", str(np_), "--clusters", str(nclusters), "--quiet", "--timeout", "300"]
             if args.calibration_wan:
                 cmd += ["--wan", args.calibration_wan]
             cmd += [py, "-m", "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", calibration]

@@ -72,6 +72,14 @@ def plan_by_size(sequences, cap):
     return out
 
 
+def plan_pseudo_gradient_buckets(deltas, cap):
+    """Local steps' sparse or THC pseudo-gradient exchange: ``deltas`` (parameter order) cut by
+    :func:`plan_by_size` into buckets of at most ``cap`` bytes. Returns the buckets' lists, in
+    launch order. Pure, as :func:`plan_gradient_buckets` (stella_mpi/plan/wire.py plans with
+    meta tensors)."""
+    return [b for _, b in plan_by_size([list(deltas)], cap)]
+
+
 def plan_gradient_buckets(params, cap):
     """The synchronous routes' default plan: ``params`` (in registration order) taken in reverse
     (roughly the order backward produces them) and cut by :func:`plan_by_size` into buckets of

@@ -53,7 +53,7 @@ from ..compression import Compression
 from ..core import state
 from ..core.process_sets import global_process_set
 from .agreement import check_agreement
-from .buckets import plan_by_size
+from .buckets import plan_pseudo_gradient_buckets
 from .clusters import cluster_process_set
 from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
@@ -140,7 +140,7 @@ def pseudo_gradient_exchange(comp, name):
     one raises, so all ranks leave the exchange alike."""
     def exchange(deltas):
         if getattr(comp, "sparse", False):
-            groups = [b for _, b in plan_by_size([deltas], state.current().config.fusion_threshold)]
+            groups = plan_pseudo_gradient_buckets(deltas, state.current().config.fusion_threshold)
             handles = [compressed_allreduce_async(g, comp, name if len(groups) == 1 else "%s.%d" % (name, i), Average,
                                                   inplace=True) for i, g in enumerate(groups)]
             out, error = [], None

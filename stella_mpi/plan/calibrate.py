@@ -17,6 +17,7 @@ what the prediction needs and writes it as JSON (rank 0).
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -123,8 +124,8 @@ def run_route(hvd, route, source, per_rank, model_args, init_state, steps, targe
         curve.append((0, held_out()))
     hvd.stats(end_step=True)
     for step in range(1, steps + 1):
+        t0 = time.perf_counter()   # a whole iteration of a training loop: the batch, the pass, the step
         x, y = w.next_batch()
-        t0 = time.perf_counter()
         opt.zero_grad()
         w.loss(w.model(x), y).backward()
         t1 = time.perf_counter()
@@ -172,11 +173,24 @@ def main(argv=None):
     torch.manual_seed(0)
     source = spec["model"]["source"]
     model_args = spec["model"].get("args") or {}
-    out = {"ranks": hvd.size(), "clusters": hvd.num_clusters(), "model": source, "routes": {}}
     comm = MPI.COMM_WORLD
+    sizes = [int(n) for n in np.bincount(np.array(comm.allgather(hvd.cluster_id())))]
+    out = {"ranks": hvd.size(), "clusters": hvd.num_clusters(), "cluster_sizes": sizes, "model": source,
+           "cores": os.cpu_count(), "routes": {}}
     from ..adjust.link_probe import probe_link
-    link = probe_link(hvd.global_process_set)
-    out["link"] = {"latency_s": link.latency_s, "pair_bps": link.pair_bps, "bandwidth_bps": link.bandwidth_bps}
+    if hvd.num_clusters() > 1:
+        link = probe_link(hvd.global_process_set)
+        out["link"] = {"latency_s": link.latency_s, "pair_bps": link.pair_bps, "bandwidth_bps": link.bandwidth_bps}
+        rate = os.environ.get("STELLA_WAN_RATE_BPS")   # across stellarun's emulated link: its goodput
+        if rate:   # (the median of five probes: one is a single transfer, as noisy as the link)
+            pairs = [link.pair_bps] + [probe_link(hvd.global_process_set).pair_bps for _ in range(4)]
+            out["link"]["nominal_bps"] = float(rate)
+            out["link"]["probes_bps"] = pairs
+            out["link"]["efficiency"] = statistics.median(pairs) / float(rate)
+    else:   # one cluster: the latency of a tiny MPI all-reduce stands for a message's
+        tiny = np.zeros(4, np.float32)
+        out["link"] = {"latency_s": _median_time(lambda: comm.Allreduce(MPI.IN_PLACE, tiny), 21),
+                       "pair_bps": None, "bandwidth_bps": None}
     out["fabric_bps"] = measure_fabric(comm)
     from . import kernel_costs
     costs = kernel_costs.measure(quick=True) if hvd.rank() == 0 else None

@@ -74,6 +74,14 @@ class Layout:
         return max(1.0, sharing / float(self.cores or os.cpu_count() or 1))
 
 
+def sharing_ratio(layout, machine, cluster):
+    """How many times more ranks share each core of ``cluster``'s host than shared this
+    machine's in the calibration (1 for GPU kinds)."""
+    if cluster.kind != HERE:
+        return 1.0
+    return layout.oversubscription(cluster) / machine.sharing
+
+
 def layout_from_spec(spec):
     cl = [Cluster(count=int(c["count"]), kind=c["kind"], link_bps=float(c["link"]), price=c.get("price"),
                   revocations=float(c.get("revocations", 0.0)), host=c.get("host")) for c in spec["clusters"]]
@@ -99,9 +107,14 @@ class Machine:
         self.intercept_s = _median([c["intercept_s"] for c in comp]) if comp else 0.0
         flops = [c["flops_per_sample"] for c in comp if c.get("flops_per_sample")]
         self.flops_per_sample = _median(flops) if flops else calib.get("flops_per_sample")
+        # the calibration's ranks shared this host's cores as much: what it measured holds that sharing
+        self.sharing = max(1.0, calib.get("ranks", 2) / float(calib.get("cores") or os.cpu_count() or 1))
+        self.calib_sizes = calib.get("cluster_sizes") or [1, 1]
+        self.link_efficiency = (calib.get("link") or {}).get("efficiency") or 1.0
 
     def seconds_per_pass(self, kind, batch, oversub):
-        """Forward and backward of ``batch`` samples on one rank of ``kind``."""
+        """Forward and backward of ``batch`` samples on one rank of ``kind`` (``oversub``: how
+        many times more ranks share a core than in the calibration)."""
         if kind == HERE:
             if self.per_sample_s is None:
                 raise ValueError("kind 'here' needs a model the calibration ran (a script, not a named size)")
@@ -129,13 +142,13 @@ class Machine:
         return self.gpu(kind).intra_gbps * 8e9
 
 
-def _cpu_work(machine, route, measured, traffic, layout, param_numels, fusion_bytes):
-    """The route's CPU work per period on the busiest rank (selection, encoding, decoding,
-    merge): the calibration's measurement of this route scaled by the kernels' costs from its
-    layout (two clusters of one rank: whole buffers) to this one; without a measurement, the
-    kernels' costs alone."""
+def _cpu_work(machine, w, measured, traffic, layout, param_numels, fusion_bytes):
+    """The CPU work (selection, encoding, decoding, merge) of one exchange through ``w`` (a
+    synchronous wire route: a local route's pseudo-gradient compression) on the busiest rank:
+    the calibration's measurement of that synchronous route scaled by the kernels' costs from
+    its layout (two clusters of one rank: whole buffers) to this one; without a measurement,
+    the kernels' costs alone."""
     costs = machine.costs
-    w = route.wire if route.wire.kind != "local" else (route.wire.pseudo or wire.Route(kind="dense"))
 
     def model(rows, c):
         n = max(t["elements"] for t in rows)
@@ -150,22 +163,25 @@ def _cpu_work(machine, route, measured, traffic, layout, param_numels, fusion_by
     here = model(traffic, len(layout.clusters))
     if measured is None:
         return here or 0.0
-    calib = traffic_of(route, [1, 1], param_numels, fusion_bytes, measured)
-    there = model(calib, 2)
+    calib = wire.step_traffic(w, machine.calib_sizes, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
+                              payload=_payload_for(w, param_numels, fusion_bytes, measured))
+    there = model(calib, len(machine.calib_sizes))
     if here is not None and there:
         return measured["cpu_s"] * here / there
     return measured["cpu_s"] * max(t["elements"] for t in traffic) / max(max(t["elements"] for t in calib), 1)
 
 
-def payload_scale(route, param_numels, fusion_bytes, measured, nclusters=2):
+def payload_scale(route, param_numels, fusion_bytes, measured):
     """For a compressor whose payload depends on the data (cache-aware blocks, threshold): its
     bytes over what the same number of entries as explicit indices would take, measured in the
-    calibration's run of this route (two clusters, one rank each); 1 without a measurement."""
-    if measured is None or not measured.get("wan_bytes_sent"):
+    calibration's run of this route (its ranks' mean bytes sent per step, on its layout); 1
+    without a measurement."""
+    if measured is None or not measured.get("mean_wan_bytes_sent"):
         return 1.0
-    sized = wire.step_traffic(route, [1] * nclusters, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
-                              payload=_as_indices(1.0))
-    return measured["wan_bytes_sent"] / max(sized[0]["wan_bytes_sent"], 1)
+    sized = wire.step_traffic(route, measured["cluster_sizes"], param_numels, fusion_bytes=fusion_bytes,
+                              step=STEADY, payload=_as_indices(1.0))
+    mean = sum(t["wan_bytes_sent"] for t in sized) / len(sized)
+    return measured["mean_wan_bytes_sent"] / max(mean, 1)
 
 
 def _as_indices(scale):
@@ -179,56 +195,87 @@ def _as_indices(scale):
     return payload
 
 
-def traffic_of(route, sizes, param_numels, fusion_bytes=None, measured=None):
+def _payload_for(w, param_numels, fusion_bytes, measured):
+    """The payload callable the wire model needs for a data-dependent sparse compressor (None
+    for the others)."""
+    if w is None or w.kind != "sparse" or getattr(w.make_compressor(), "payload_from_sizes", False):
+        return None
+    return _as_indices(payload_scale(w, param_numels, fusion_bytes, measured))
+
+
+
+def traffic_of(route, sizes, param_numels, fusion_bytes=None, measured=None, step=None):
     """Each rank's counters summed over one period (H steps of local steps, else one step), in
-    steady state (past the density warm-up)."""
+    steady state (past the density warm-up), or at optimizer step ``step``."""
     w = route.wire
     every = w.every if w.kind == "local" else 1
-    comp = (w.pseudo if w.kind == "local" else w)
-    payload = None
-    if comp is not None and comp.kind == "sparse" and not getattr(comp.make_compressor(), "payload_from_sizes",
-                                                                  False):
-        payload = _as_indices(payload_scale(route.wire, param_numels, fusion_bytes, measured))
-    base = STEADY - STEADY % every
+    payload = _payload_for(w.pseudo if w.kind == "local" else w, param_numels, fusion_bytes, measured)
+    base = STEADY - STEADY % every if step is None else step
     steps = [wire.step_traffic(w, sizes, param_numels, fusion_bytes=fusion_bytes, step=base + s, payload=payload)
              for s in range(every)]
     return [{k: sum(step[r][k] for step in steps) for k in wire.COUNTED} for r in range(len(steps[0]))]
 
 
-def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None):
-    """The prediction of ``route`` (a PlanRoute) on ``layout``: a dict of seconds, bytes and ratios.
-    ``measured``: the calibration's record of this route (its parts), or None."""
-    numel = sum(param_numels)
-    oversub = [layout.oversubscription(c) for c in layout.clusters]
+def _compute(machine, layout, oversub, measured):
+    """(seconds of the slowest rank's pass, samples per rank): the global batch split by
+    throughput; this machine's pass from the route's own measured pass in a training loop (the
+    batch, forward, backward, the hooks) when there is one, scaled by the fit to the batch."""
     per_sample = [machine.seconds_per_pass(c.kind, 1, 1.0) - (machine.intercept_s if c.kind == HERE else 0.0)
                   for c in layout.clusters]
     throughput = [1.0 / (max(ps, 1e-12) * o) for ps, o, c in zip(per_sample, oversub, layout.clusters)
                   for _ in range(c.count)]
     batch = split_batch(layout.global_batch, throughput, None)
+    anchor = 1.0
+    if measured is not None and machine.per_sample_s is not None:
+        fitted = machine.seconds_per_pass(HERE, machine.calib.get("per_rank_batch", 1), 1.0)
+        anchor = measured["compute_s"] / fitted if fitted > 0 else 1.0
+    passes = [machine.seconds_per_pass(c.kind, b, oversub[i]) * (anchor if c.kind == HERE else 1.0)
+              for (i, c), b in zip(layout.ranks(), batch)]
+    return max(passes), batch
+
+
+def _intra_s(machine, kind, k, numel, oversub):
+    """The dense reduction inside a cluster of ``k`` ranks: a ring's 2 (k-1)/k of the gradient."""
+    return 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub) if k > 1 else 0.0
+
+
+def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None, sync_measured=None,
+            step=None):
+    """The prediction of ``route`` (a PlanRoute) on ``layout``: a dict of seconds, bytes and ratios,
+    in steady state, or at optimizer step ``step`` (the density warm-up's steps send more).
+    ``measured``: the calibration's record of this route (the busiest rank's medians per step),
+    or None; ``sync_measured``: for local steps, the record of the synchronous route of their
+    pseudo-gradient's compression (its CPU work per exchange: a local step's median holds no
+    exchange)."""
+    numel = sum(param_numels)
+    oversub = [sharing_ratio(layout, machine, c) for c in layout.clusters]
+    compute, batch = _compute(machine, layout, oversub, measured)
     ranks = layout.ranks()
-    compute = max(machine.seconds_per_pass(c.kind, b, oversub[i]) for (i, c), b in zip(ranks, batch))
     every = route.wire.every if route.wire.kind == "local" else 1
-    traffic = traffic_of(route, layout.sizes, param_numels, fusion_bytes, measured)
+    traffic = traffic_of(route, layout.sizes, param_numels, fusion_bytes, measured, step)
     busiest = None
     for i, c in enumerate(layout.clusters):
         members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
         nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
                      sum(traffic[r]["wan_bytes_received"] for r in members))
-        t = 8.0 * nbytes / c.link_bps
+        goodput = c.link_bps * machine.link_efficiency
+        t = 8.0 * nbytes / goodput
         if busiest is None or t > busiest[0]:
-            busiest = (t, nbytes, c.link_bps)
+            busiest = (t, nbytes, goodput)
     _, nbytes, link = busiest
     messages = max(t["wan_messages"] for t in traffic)
     latency = machine.calib["link"]["latency_s"] + 2.0 * layout.delay_s
-    worst = max(range(len(layout.clusters)), key=lambda i: oversub[i])
+    worst = max(range(len(layout.clusters)), key=lambda i: (oversub[i], layout.clusters[i].count))
     kind = layout.clusters[worst].kind
     k = layout.clusters[worst].count
-    cpu = _cpu_work(machine, route, measured, traffic, layout, param_numels, fusion_bytes) * oversub[worst]
-    intra = 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub[worst]) if k > 1 else 0.0
+    local = route.wire.kind == "local"
+    sync_wire = (route.wire.pseudo or wire.Route(kind="dense")) if local else route.wire
+    cpu = _cpu_work(machine, sync_wire, sync_measured if local else measured, traffic, layout, param_numels,
+                    fusion_bytes) * oversub[worst]
+    intra = _intra_s(machine, kind, k, numel, oversub[worst])
     rest = 0.0
     if measured is not None:
-        rest = max(measured["step_s"] - measured["compute_s"] - measured["exchange_s"] - measured["cpu_s"]
-                   - machine.calib.get("optimizer_s", 0.0), 0.0) * oversub[worst]
+        rest = _rest(machine, route, measured, param_numels, fusion_bytes) * oversub[worst]
     fixed = machine.optimizer_s(kind, numel, oversub[worst]) + intra + cpu + rest
     w = route.wire
     density = w.density if w.kind == "sparse" else 1.0
@@ -238,26 +285,58 @@ def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=No
                    bytes_per_density=nbytes / density, bandwidth_bps=link,
                    wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,
                    fixed_thc_s=fixed, cpu_s=cpu)
-    if w.kind == "local":
-        local = local_step_time(est)
+    if local:
         exchange = messages * latency + 8.0 * nbytes / link + cpu
-        step = local + exchange / every
+        step_s = local_step_time(est) + exchange / every
         wire_s = 8.0 * nbytes / link / every
     else:
         thc = {bits: nbytes / elements} if bits else {}
         ctl = Controller(AdjusterSettings(thc_bits=(bits,) if bits else ()), overlap=route.overlap, thc_bytes=thc)
-        step = ctl.predict(est, 1, density, bits)
+        step_s = ctl.predict(est, 1, density, bits)
         wire_s = 8.0 * nbytes / link
     sent = max(t["wan_bytes_sent"] for t in traffic) / every
-    return {"route": route.name, "step_s": step, "compute_s": compute, "utilisation": compute / step,
-            "wan_bytes_per_step": sent, "cluster_uplink_bytes_per_step": nbytes / every,
-            "messages_per_step": messages / every, "wire_s": wire_s, "fixed_s": fixed, "cpu_s": cpu,
-            "intra_s": intra, "batch_split": list(batch), "every": every}
+    out = {"route": route.name, "step_s": step_s, "compute_s": compute, "utilisation": compute / step_s,
+           "wan_bytes_per_step": sent, "cluster_uplink_bytes_per_step": nbytes / every,
+           "messages_per_step": messages / every, "wire_s": wire_s, "fixed_s": fixed, "cpu_s": cpu,
+           "intra_s": intra, "batch_split": list(batch), "every": every, "warmup_extra_s": 0.0}
+    if step is None:
+        warm = _warmup_steps(route)
+        out["warmup_extra_s"] = sum(
+            predict(route, layout, machine, param_numels, fusion_bytes, measured, sync_measured, s)["step_s"]
+            - step_s for s in range(warm))
+    return out
+
+
+def _warmup_steps(route):
+    """Steps of the sparse route's density warm-up (they send more than the steady state)."""
+    if route.wire.kind != "sparse":
+        return 0
+    comp = route.wire.make_compressor()
+    return int(getattr(comp, "warmup", 0) or 0)
+
+
+def _rest(machine, route, measured, param_numels, fusion_bytes):
+    """What else the calibration's step held: its iteration less the pass, the optimizer, the
+    CPU work, the reduction inside its clusters and the exchange (where the route times none,
+    as dense: its wire at the calibration's link). A local step's median holds no exchange."""
+    local = route.wire.kind == "local"
+    link_c = machine.calib["link"]
+    sizes = machine.calib_sizes
+    calib_wire = 0.0
+    if not local and link_c.get("pair_bps") and len(sizes) > 1:
+        rows = wire.step_traffic(route.wire, sizes, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
+                                 payload=_payload_for(route.wire, param_numels, fusion_bytes, measured))
+        calib_wire = max(t["wan_messages"] * link_c["latency_s"] + 8.0 * max(t["wan_bytes_sent"],
+                                                                              t["wan_bytes_received"])
+                         / link_c["pair_bps"] for t in rows)
+    intra = _intra_s(machine, HERE, max(sizes), sum(param_numels), 1.0)
+    return max(measured["step_s"] - measured["compute_s"] - max(measured["exchange_s"], calib_wire)
+               - measured["cpu_s"] - machine.calib.get("optimizer_s", 0.0) - intra, 0.0)
 
 
 def time_to_target(pred, steps, layout, commit_every):
     """Time, cost and revocations' toll of ``steps`` steps at the predicted step time."""
-    seconds = steps * pred["step_s"]
+    seconds = steps * pred["step_s"] + pred.get("warmup_extra_s", 0.0)
     rate = sum(c.count * c.revocations for c in layout.clusters) / 3600.0   # revocations per second
     lost_each = commit_every / 2.0 * pred["step_s"] + RESET_S
     out = {"steps": steps, "seconds": seconds}

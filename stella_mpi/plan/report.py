@@ -23,13 +23,15 @@ def _steps_to(curve, target):
     return _interp_steps(curve, target)
 
 
-def _measured_parts(record):
-    """The calibration's parts of a route's step, the busiest rank's."""
+def _measured_parts(record, cluster_sizes):
+    """The calibration's parts of a route's step, the busiest rank's (with the ranks' mean WAN
+    bytes and the calibration's layout)."""
     if not record:
         return None
     rows = record["ranks"]
     worst = max(rows, key=lambda r: r["step_s"])
-    return dict(worst, entries=None)
+    return dict(worst, mean_wan_bytes_sent=sum(r["wan_bytes_sent"] for r in rows) / len(rows),
+                cluster_sizes=cluster_sizes)
 
 
 def plan(spec, calib, table=None):
@@ -48,6 +50,8 @@ def plan(spec, calib, table=None):
         spec = dict(spec, global_batch=calib.get("global_batch") or 64)
     layout = layout_from_spec(spec)
     machine = Machine(calib, table, costs)
+    if spec.get("link_efficiency"):   # the user's goodput over nominal, over the calibration's
+        machine.link_efficiency = float(spec["link_efficiency"])
     for i, c in enumerate(layout.clusters):   # an unknown kind ends the plan, naming the cluster
         if c.kind != HERE:
             try:
@@ -62,8 +66,14 @@ def plan(spec, calib, table=None):
     rows, skipped = [], []
     for route in route_table.select(spec.get("routes")):
         record = measured_routes.get(route.name)
+        sync = None
+        if route.wire.kind == "local":   # the synchronous route of its pseudo-gradient's compression
+            pseudo = route.wire.pseudo or route_table.Route(kind="dense")
+            sync = next((measured_routes.get(r.name) for r in route_table.ROUTES
+                         if r.wire == pseudo and not r.overlap and measured_routes.get(r.name)), None)
         try:
-            pred = predict(route, layout, machine, params, fusion, _measured_parts(record))
+            pred = predict(route, layout, machine, params, fusion, _measured_parts(record, machine.calib_sizes),
+                           _measured_parts(sync, machine.calib_sizes))
         except ValueError as e:
             skipped.append({"route": route.name, "why": str(e)})
             continue

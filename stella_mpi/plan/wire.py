@@ -70,11 +70,11 @@ from ..compression import TensorContext
 from ..compression.registry import get_compressor, get_factory
 from ..compression.thc import THCCompressor
 from .._native import compress as codec
-from ..optim.buckets import plan_gradient_buckets
+from ..optim.buckets import plan_gradient_buckets, plan_pseudo_gradient_buckets
 from ..optim.outer_sync import LocalSteps
 from ..optim.routes.sync import density_warmup
 
-__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets",
+__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets", "pseudo_buckets",
            "bottleneck", "sized_payload", "measured_payload"]
 
 COUNTED = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "elements", "entries_sent")
@@ -203,16 +203,28 @@ def _check_sizes(cluster_sizes):
     return sizes
 
 
+def _metas(param_numels):
+    for i, n in enumerate(param_numels):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError("param_numels[%d] is %r: give each parameter's element count (an int >= 0)" % (i, n))
+    return [torch.empty(n, dtype=torch.float32, device="meta") for n in param_numels]
+
+
+def _cap(fusion_bytes):
+    return Config.from_env().fusion_threshold if fusion_bytes is None else int(fusion_bytes)
+
+
+def pseudo_buckets(param_numels, fusion_bytes=None):
+    """Elements of each bucket of local steps' sparse or THC pseudo-gradient exchange (parameter
+    order, ``optim/buckets.py`` ``plan_pseudo_gradient_buckets``)."""
+    return [sum(p.numel() for p in b) for b in plan_pseudo_gradient_buckets(_metas(param_numels), _cap(fusion_bytes))]
+
+
 def buckets(param_numels, fusion_bytes=None):
     """Elements of each bucket of the synchronous routes, in launch order, for float32
     parameters of ``param_numels`` (registration order) and ``fusion_bytes``
     (None: ``STELLA_FUSION_THRESHOLD``/``HOROVOD_FUSION_THRESHOLD`` or its default)."""
-    cap = Config.from_env().fusion_threshold if fusion_bytes is None else int(fusion_bytes)
-    for i, n in enumerate(param_numels):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError("param_numels[%d] is %r: give each parameter's element count (an int >= 0)" % (i, n))
-    metas = [torch.empty(n, dtype=torch.float32, device="meta") for n in param_numels]
-    return [sum(p.numel() for p in b) for b in plan_gradient_buckets(metas, cap)]
+    return [sum(p.numel() for p in b) for b in plan_gradient_buckets(_metas(param_numels), _cap(fusion_bytes))]
 
 
 class _Layout:
@@ -333,7 +345,12 @@ def step_traffic(route, cluster_sizes: Sequence[int], param_numels: Sequence[int
             return rows
         pseudo = route.pseudo or Route("dense")
         comp = pseudo.make_compressor()
-        _reduce(rows, lay, total, comp, pseudo.algorithm, payload, step, None)
+        if comp is None or comp == "fp16":
+            _reduce(rows, lay, total, comp, pseudo.algorithm, payload, step, None)
+            return rows
+        # a sparse or THC pseudo-gradient crosses in buckets (optim/tuning.py pseudo_gradient_exchange)
+        for b, n in enumerate(pseudo_buckets(numels, fusion_bytes)):
+            _reduce(rows, lay, n, comp, pseudo.algorithm, payload, step, b)
         return rows
     comp = route.make_compressor()
     if comp is not None and comp != "fp16" and not getattr(comp, "homomorphic", False):
