@@ -9,7 +9,8 @@ loss, predicted against measured.
 On this machine ranks share two cores, which ranks of GPU kinds never do, so each layout
 (ranks, clusters) is calibrated at its own ranks, over loopback (no WAN), as ``stellarun plan``
 calibrates clusters of the kind ``here``; the link's goodput over its nominal rate is measured
-once, across the emulated link at 100 Mbit/s. What is predicted is the rest: the WAN's bytes,
+across the emulated link at 100 Mbit/s for each number of clusters (the probe is an MPI all-reduce
+over them, as THC's and dense's exchanges are). What is predicted is the rest: the WAN's bytes,
 messages and time at each rate, the route's CPU work, the steps to the target.
 
 Targets (issue 32): step time median absolute error <= 10 %, worst <= 25 %; time to target worst
@@ -73,8 +74,10 @@ def stellarun(args, timeout):
 def spec_for(ranks, clusters, link, route, base):
     from stella_mpi.plan.wire import layout
     per = layout(ranks, clusters)
+    from stellarun.shaping import burst_bytes
     return dict(base, clusters=[{"count": n, "kind": "here", "link": 1e12 if link is None else parse_rate(link)}
-                                for n in per], routes=route)
+                                for n in per], routes=route,
+                link_burst_bytes=burst_bytes(parse_rate(link)) if link else 0)   # stellarun's tbf
 
 
 def parse_rate(text):
@@ -119,17 +122,26 @@ def main():
             "target_loss": args.target_loss, "target_steps": None, "budget_hours": None, "commit_every": 100,
             "quality_steps": args.quality_steps, "gpu_table": None, "link_delay_s": 0.0, "cores": None,
             "fusion_threshold_mb": None, "routes": ",".join(sorted({c[3] for c in CONFIGS}))}
-    # the link's goodput over its nominal rate, measured once across the emulated link (100 Mbit/s)
-    link_path = os.path.join(work, "link.json")
-    spec_path = os.path.join(work, "link_spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(dict(base, routes="dense", quality_steps=2, target_loss=None,
-                       clusters=[{"count": 1, "kind": "here", "link": 1e8}] * 2), f)
-    stellarun(["-np", "2", "--clusters", "2", "--quiet", "--wan", "100mbit", sys.executable, "-m", "stella_mpi.plan",
-               "calibrate", "--spec", spec_path, "--out", link_path], timeout=600)
-    with open(link_path) as f:
-        efficiency = json.load(f)["link"]["efficiency"]
-    print("link goodput over nominal: %.3f" % efficiency, flush=True)
+    # the link's goodput over its nominal rate, for a transfer and for an MPI all-reduce over all
+    # clusters (the automatic route's probe), measured across the emulated link at 100 Mbit/s,
+    # one rank per cluster, for each number of clusters the configurations use
+    efficiency = {}
+    for nclusters in sorted({c[1] for c in CONFIGS if c[2]}):
+        link_path = os.path.join(args.calibrations or work, "link_%d.json" % nclusters)
+        if not os.path.exists(link_path):
+            spec_path = os.path.join(work, "link_spec_%d.json" % nclusters)
+            with open(spec_path, "w") as f:
+                json.dump(dict(base, routes="dense", quality_steps=2, target_loss=None,
+                               clusters=[{"count": 1, "kind": "here", "link": 1e8}] * nclusters), f)
+            stellarun(["-np", str(nclusters), "--clusters", str(nclusters), "--quiet", "--wan", "100mbit",
+                       sys.executable, "-m", "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", link_path],
+                      timeout=600)
+        with open(link_path) as f:
+            measured = json.load(f)["link"]
+        efficiency[nclusters] = {"link_efficiency": measured["efficiency"],
+                                 "allreduce_efficiency": measured["allreduce_efficiency"]}
+        print("%d clusters: goodput over nominal %.3f (a transfer), %.3f (an all-reduce over them)"
+              % (nclusters, measured["efficiency"], measured["allreduce_efficiency"]), flush=True)
     # on this machine ranks share its two cores, so each layout is calibrated at its own ranks and
     # clusters (stellarun plan does the same for clusters of the kind 'here'), without a WAN
     calibs = {}
@@ -146,12 +158,11 @@ def main():
                        "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", path], timeout=1800)
         with open(path) as f:
             calibs[(ranks, clusters)] = json.load(f)
-    base["link_efficiency"] = efficiency
     rows = []
     for i, (ranks, clusters, link, route) in enumerate(CONFIGS):
         if args.only and i not in args.only:
             continue
-        spec = spec_for(ranks, clusters, link, route, base)
+        spec = dict(spec_for(ranks, clusters, link, route, base), **efficiency.get(clusters, {}))
         calib = calibs[(ranks, clusters)]
         pred = plan(spec, calib, table)["predictions"][0]
         steps_target = (calib["routes"][route].get("steps_to_target") or args.quality_steps)
@@ -195,7 +206,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"provenance": provenance(), "command": "python bench/plan_validation.py", "summary": summary,
-                   "link_efficiency": efficiency, "configs": rows,
+                   "link_efficiency": {str(k): v for k, v in efficiency.items()}, "configs": rows,
                    "calibrations": {"%dx%d" % k: {f: c[f] for f in ("link", "fabric_bps", "optimizer_s", "compute",
                                                                      "global_batch")} for k, c in calibs.items()}},
                   f, indent=1)

@@ -8,7 +8,7 @@ intra-cluster backends, the two-level route), ``core`` (state, process sets, the
 thread, executors), ``api`` (Horovod's functions), ``adjust`` (the bandwidth-driven
 adjuster), ``optim`` (DistributedOptimizer), ``elastic`` (Horovod's elastic API), ``ddp`` (torch's
 DistributedDataParallel over the job: ``from stella_mpi import ddp``, not imported here), ``plan`` (the
-planner's models of a job without MPI, ``stella_mpi.plan.wire``; not imported here). The launcher is the separate package ``stellarun``.
+planner's jobs and models, ``stellarun plan``; not imported here). The launcher is the separate package ``stellarun``.
 """
 from .base.config import wan_route_setting as _wan_route_setting
 from .comm.process_watchdog import import_mpi as _import_mpi

@@ -121,7 +121,7 @@ def build_spec(args):
             "budget_hours": args.budget_hours, "commit_every": args.commit_every,
             "quality_steps": args.quality_steps, "gpu_table": args.gpu_table, "out": args.out,
             "plot": args.plot, "routes": args.routes, "fusion_threshold_mb": args.fusion_threshold_mb,
-            "cores": args.cores, "link_efficiency": args.link_efficiency}
+            "cores": args.cores, "link_efficiency": args.link_efficiency, "allreduce_efficiency": None, "link_burst_bytes": args.link_burst}
 
 
 def calibration_layout(spec):
@@ -147,6 +147,8 @@ def parse(argv):
                    help="one cluster (repeat for each)")
     p.add_argument("--link", default="100mbit", help="each cluster's uplink unless its own link= says otherwise")
     p.add_argument("--link-delay", help="one-way delay between clusters (e.g. 20ms)")
+    p.add_argument("--link-burst", type=int, default=0, metavar="BYTES",
+                   help="a token-bucket shaper's burst on each uplink (tc tbf; 0: none)")
     p.add_argument("--link-efficiency", type=float, help="goodput over nominal rate of the links (default: the "
                                                            "calibration's, measured with --calibration-wan; else 1)")
     p.add_argument("--global-batch", type=int, help="samples per step over all GPUs (default: the model's)")

@@ -98,6 +98,26 @@ def measure_fabric(comm, nbytes=4 << 20):
     return 8.0 * nbytes * 2 * (n - 1) / n / took
 
 
+def measure_transfer(hvd, comm, sizes, nbytes=4 << 20):
+    """Bits per second of a plain transfer between the first ranks of clusters 0 and 1 (both
+    ways at once), the median of three: the link's goodput for what crosses it point to point or
+    as an all-gather (an all-reduce over more than two clusters moves more than its counters
+    say: the probe's goodput is kept apart)."""
+    starts = np.cumsum([0] + sizes)
+    me = comm.Get_rank()
+    a, b = int(starts[0]), int(starts[1])
+    buf, got = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    times = []
+    for _ in range(3):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if me in (a, b):
+            comm.Sendrecv(buf, dest=b if me == a else a, recvbuf=got, source=b if me == a else a)
+        times.append(time.perf_counter() - t0)
+    took = comm.bcast(statistics.median(times), root=a)
+    return 8.0 * nbytes / took
+
+
 def _interp_steps(curve, target):
     """Steps at which the held-out loss first reaches ``target`` (linear between evaluations)."""
     prev = None
@@ -186,7 +206,8 @@ def main(argv=None):
             pairs = [link.pair_bps] + [probe_link(hvd.global_process_set).pair_bps for _ in range(4)]
             out["link"]["nominal_bps"] = float(rate)
             out["link"]["probes_bps"] = pairs
-            out["link"]["efficiency"] = statistics.median(pairs) / float(rate)
+            out["link"]["allreduce_efficiency"] = statistics.median(pairs) / float(rate)
+            out["link"]["efficiency"] = measure_transfer(hvd, comm, sizes) / float(rate)
     else:   # one cluster: the latency of a tiny MPI all-reduce stands for a message's
         tiny = np.zeros(4, np.float32)
         out["link"] = {"latency_s": _median_time(lambda: comm.Allreduce(MPI.IN_PLACE, tiny), 21),

@@ -10,7 +10,9 @@ For a layout (clusters of GPU kinds and uplinks) and a route, per optimizer step
   proportion to throughput (``controller.split_batch``), the slowest rank's pass counting;
 * **WAN bytes and messages**: exactly what each rank's counters will record (:mod:`.wire`);
   a cluster's uplink carries what its ranks send (and, separately, what they receive), so the
-  busiest uplink's time is the wire's;
+  busiest uplink's time is the wire's, at the link's goodput (its nominal rate times the
+  efficiency the calibration measured across a link, or the user's); a token-bucket shaper
+  (``--link-burst``, tc tbf's burst) lets what refilled while the link idled through at once;
 * **fixed**: the optimizer, the dense reduction inside the cluster (a ring over the cluster's
   fabric), the route's CPU work (selection, encoding, decoding, merge: measured on this route
   in the calibration and scaled to the layout's shard and cluster count by the kernels' costs,
@@ -55,6 +57,7 @@ class Layout:
     clusters: List[Cluster]
     global_batch: int
     delay_s: float = 0.0
+    burst_bytes: float = 0.0               # a token-bucket shaper's burst (tc tbf's; 0: none)
     cores: Optional[int] = None            # cores of a ``here`` host (default: this machine's)
 
     @property
@@ -86,7 +89,7 @@ def layout_from_spec(spec):
     cl = [Cluster(count=int(c["count"]), kind=c["kind"], link_bps=float(c["link"]), price=c.get("price"),
                   revocations=float(c.get("revocations", 0.0)), host=c.get("host")) for c in spec["clusters"]]
     return Layout(clusters=cl, global_batch=int(spec["global_batch"]), delay_s=float(spec.get("link_delay_s") or 0.0),
-                  cores=spec.get("cores"))
+                  cores=spec.get("cores"), burst_bytes=float(spec.get("link_burst_bytes") or 0.0))
 
 
 def _median(xs):
@@ -110,7 +113,9 @@ class Machine:
         # the calibration's ranks shared this host's cores as much: what it measured holds that sharing
         self.sharing = max(1.0, calib.get("ranks", 2) / float(calib.get("cores") or os.cpu_count() or 1))
         self.calib_sizes = calib.get("cluster_sizes") or [1, 1]
-        self.link_efficiency = (calib.get("link") or {}).get("efficiency") or 1.0
+        link = calib.get("link") or {}
+        self.link_efficiency = link.get("efficiency") or 1.0                  # a transfer's goodput
+        self.allreduce_efficiency = link.get("allreduce_efficiency") or self.link_efficiency
 
     def seconds_per_pass(self, kind, batch, oversub):
         """Forward and backward of ``batch`` samples on one rank of ``kind`` (``oversub``: how
@@ -254,11 +259,16 @@ def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=No
     every = route.wire.every if route.wire.kind == "local" else 1
     traffic = traffic_of(route, layout.sizes, param_numels, fusion_bytes, measured, step)
     busiest = None
+    # an MPI all-reduce over more than two clusters (dense fp32, THC, local steps' THC or dense
+    # pseudo-gradient) moves more than its counters' ring: its goodput is the probe's
+    w_ = route.wire.pseudo if route.wire.kind == "local" else route.wire
+    allreduce = len(layout.clusters) > 2 and (w_ is None or w_.kind in ("dense", "thc"))
+    efficiency = machine.allreduce_efficiency if allreduce else machine.link_efficiency
     for i, c in enumerate(layout.clusters):
         members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
         nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
                      sum(traffic[r]["wan_bytes_received"] for r in members))
-        goodput = c.link_bps * machine.link_efficiency
+        goodput = c.link_bps * efficiency
         t = 8.0 * nbytes / goodput
         if busiest is None or t > busiest[0]:
             busiest = (t, nbytes, goodput)
@@ -281,6 +291,10 @@ def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=No
     density = w.density if w.kind == "sparse" else 1.0
     bits = w.bits if w.kind == "thc" else 0
     elements = max(max(t["elements"] for t in traffic), 1)
+    # a shaper's token bucket refills while the link idles (the rest of the step, or a period of
+    # local steps) and lets that much through at once
+    idle = compute + fixed + messages * latency if not local else every * (compute + fixed - cpu)
+    nbytes = max(nbytes - min(layout.burst_bytes, link / 8.0 * idle), 0.0)
     est = Estimate(compute_s=compute, fixed_s=fixed, latency_s=latency, messages=messages,
                    bytes_per_density=nbytes / density, bandwidth_bps=link,
                    wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,

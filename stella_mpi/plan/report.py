@@ -51,7 +51,9 @@ def plan(spec, calib, table=None):
     layout = layout_from_spec(spec)
     machine = Machine(calib, table, costs)
     if spec.get("link_efficiency"):   # the user's goodput over nominal, over the calibration's
-        machine.link_efficiency = float(spec["link_efficiency"])
+        machine.link_efficiency = machine.allreduce_efficiency = float(spec["link_efficiency"])
+    if spec.get("allreduce_efficiency"):
+        machine.allreduce_efficiency = float(spec["allreduce_efficiency"])
     for i, c in enumerate(layout.clusters):   # an unknown kind ends the plan, naming the cluster
         if c.kind != HERE:
             try:
@@ -86,7 +88,9 @@ def plan(spec, calib, table=None):
                     "quality not measured (no calibration run of this route)"
         elif spec.get("target_steps"):
             steps = float(spec["target_steps"])
-            if record and dense_curve and dense_final is not None:
+            if not (record and dense_curve and dense_final is not None):
+                pred["note"] = "quality not measured: dense's steps assumed"
+            else:
                 mine = _steps_to(record["curve"], dense_final)
                 theirs = _steps_to(dense_curve, dense_final)
                 if mine and theirs:
@@ -103,7 +107,7 @@ def plan(spec, calib, table=None):
         if why:
             pred["unreachable"] = why
         rows.append(pred)
-    reachable = [r for r in rows if "to_target" in r and "unreachable" not in r]
+    reachable = [r for r in rows if "to_target" in r and "unreachable" not in r and "note" not in r]
     if reachable:
         best = min(reachable, key=lambda r: r["to_target"].get("seconds_with_revocations", r["to_target"]["seconds"]))
         reason = "reaches the target soonest"
@@ -113,8 +117,10 @@ def plan(spec, calib, table=None):
         pool = faithful or rows
         best = min(pool, key=lambda r: r["step_s"]) if pool else None
         reason = ("the fastest step among the routes within %g %% of dense's loss at equal steps"
-                  % (100 * QUALITY_TOLERANCE) if faithful else "the fastest step (quality not measured)")
-        if target is not None or spec.get("target_steps"):
+                  % (100 * QUALITY_TOLERANCE) if faithful else
+                  "the fastest step; quality not measured here (a named size): check it at equal steps "
+                  "(bench/bench_parity.py) before you trust it")
+        if target is not None or (spec.get("target_steps") and faithful):
             reason += "; no route reaches the target%s" % (
                 " within the budget" if spec.get("budget_hours") else "")
     return {"spec": spec, "layout": {"clusters": spec["clusters"], "global_batch": layout.global_batch,
@@ -139,7 +145,7 @@ def table_text(result):
         lines.append("%-16s %7.1f ms %5.0f%% %12.3f %10s %10s %9s  %s" % (
             r["route"], 1e3 * r["step_s"], 100 * r["utilisation"], r["wan_bytes_per_step"] / 1e6,
             "%.0f" % t["steps"] if t else "-", _fmt_s(seconds),
-            "$%.2f" % t["cost_usd"] if "cost_usd" in t else "-", r.get("unreachable", "")))
+            "$%.2f" % t["cost_usd"] if "cost_usd" in t else "-", r.get("unreachable", r.get("note", ""))))
     for s in result["skipped"]:
         lines.append("%-16s skipped: %s" % (s["route"], s["why"]))
     rec = result["recommendation"]
