@@ -131,7 +131,7 @@ def main():
         if not os.path.exists(link_path):
             spec_path = os.path.join(work, "link_spec_%d.json" % nclusters)
             with open(spec_path, "w") as f:
-                json.dump(dict(base, routes="dense", quality_steps=2, target_loss=None,
+                json.dump(dict(base, routes="dense", quality_steps=2, target_loss=None, provenance=provenance(),
                                clusters=[{"count": 1, "kind": "here", "link": 1e8}] * nclusters), f)
             stellarun(["-np", str(nclusters), "--clusters", str(nclusters), "--quiet", "--wan", "100mbit",
                        sys.executable, "-m", "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", link_path],
@@ -153,7 +153,8 @@ def main():
             if any(r.startswith("local") for r in routes):
                 routes.append("thc-4")   # the pseudo-gradient's CPU work is measured on its synchronous route
             with open(spec_path, "w") as f:
-                json.dump(dict(spec_for(ranks, clusters, None, ",".join(sorted(set(routes))), base)), f)
+                json.dump(dict(spec_for(ranks, clusters, None, ",".join(sorted(set(routes))), base),
+                               provenance=provenance()), f)   # (the calibration records it)
             stellarun(["-np", str(ranks), "--clusters", str(clusters), "--quiet", sys.executable, "-m",
                        "stella_mpi.plan", "calibrate", "--spec", spec_path, "--out", path], timeout=1800)
         with open(path) as f:

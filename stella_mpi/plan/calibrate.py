@@ -98,6 +98,26 @@ def measure_fabric(comm, nbytes=4 << 20):
     return 8.0 * nbytes * 2 * (n - 1) / n / took
 
 
+def horovod_api():
+    """The Horovod functions the calibration and the routes' builders use, from their rooms (the
+    planner sits below the package that re-exports them as ``import stella_mpi as hvd``)."""
+    from types import SimpleNamespace
+    from ..api.allreduce import allreduce
+    from ..api.functions import allgather_object, broadcast_parameters
+    from ..api.lifecycle import init, shutdown, stats
+    from ..api.queries import cluster_id, num_clusters, rank, size
+    from ..compression import Compression
+    from ..core.process_sets import global_process_set
+    from ..optim.distributed import DistributedOptimizer
+    from ..optim.outer_sync import LocalSteps
+    from ..optim.spec import CpuEngine
+    return SimpleNamespace(init=init, shutdown=shutdown, stats=stats, rank=rank, size=size, cluster_id=cluster_id,
+                           num_clusters=num_clusters, allreduce=allreduce, allgather_object=allgather_object,
+                           broadcast_parameters=broadcast_parameters, Compression=Compression,
+                           global_process_set=global_process_set, DistributedOptimizer=DistributedOptimizer,
+                           LocalSteps=LocalSteps, CpuEngine=CpuEngine)
+
+
 def measure_transfer(hvd, comm, sizes, nbytes=4 << 20):
     """Bits per second of a plain transfer between the first ranks of clusters 0 and 1 (both
     ways at once), the median of three: the link's goodput for what crosses it point to point or
@@ -187,7 +207,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     with open(args.spec) as f:
         spec = json.load(f)
-    import stella_mpi as hvd
+    hvd = horovod_api()
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -197,6 +217,8 @@ def main(argv=None):
     sizes = [int(n) for n in np.bincount(np.array(comm.allgather(hvd.cluster_id())))]
     out = {"ranks": hvd.size(), "clusters": hvd.num_clusters(), "cluster_sizes": sizes, "model": source,
            "cores": os.cpu_count(), "routes": {}}
+    if spec.get("provenance"):   # what made the spec (bench/plan_validation.py records it)
+        out["provenance"] = spec["provenance"]
     from ..adjust.link_probe import probe_link
     if hvd.num_clusters() > 1:
         link = probe_link(hvd.global_process_set)

@@ -358,8 +358,7 @@ def time_to_target(pred, steps, layout, commit_every):
         share = rate * lost_each
         if share >= 1.0:
             out.update(seconds_with_revocations=math.inf, revocation_note=(
-                "revocations (%.2f per hour) come faster than a commit interval's work: commit more often"
-                % (rate * 3600)))
+                "%.2f revocations per hour outpace a commit interval's work: commit more often" % (rate * 3600)))
         else:
             out["seconds_with_revocations"] = seconds / (1.0 - share)
             out["lost_to_revocations_s"] = out["seconds_with_revocations"] - seconds

@@ -89,7 +89,7 @@ def plan(spec, calib, table=None):
         elif spec.get("target_steps"):
             steps = float(spec["target_steps"])
             if not (record and dense_curve and dense_final is not None):
-                pred["note"] = "quality not measured: dense's steps assumed"
+                pred["note"] = "dense's steps (quality not measured)"
             else:
                 mine = _steps_to(record["curve"], dense_final)
                 theirs = _steps_to(dense_curve, dense_final)
@@ -118,8 +118,8 @@ def plan(spec, calib, table=None):
         best = min(pool, key=lambda r: r["step_s"]) if pool else None
         reason = ("the fastest step among the routes within %g %% of dense's loss at equal steps"
                   % (100 * QUALITY_TOLERANCE) if faithful else
-                  "the fastest step; quality not measured here (a named size): check it at equal steps "
-                  "(bench/bench_parity.py) before you trust it")
+                  "the fastest step; quality not measured for a named size: check it at equal steps "
+                  "(bench/bench_parity.py)")
         if target is not None or (spec.get("target_steps") and faithful):
             reason += "; no route reaches the target%s" % (
                 " within the budget" if spec.get("budget_hours") else "")
@@ -137,15 +137,17 @@ def _fmt_s(s):
 
 
 def table_text(result):
-    lines = ["%-16s %9s %6s %12s %10s %10s %9s  %s" % ("route", "step", "util", "WAN MB/step", "steps",
-                                                        "to target", "cost", "note")]
+    lines = ["%-16s %9s %5s %11s %7s %10s %8s  %s" % ("route", "step", "util", "WAN MB/step", "steps",
+                                                      "to target", "cost", "note")]
     for r in result["predictions"]:
         t = r.get("to_target") or {}
         seconds = t.get("seconds_with_revocations", t.get("seconds"))
-        lines.append("%-16s %7.1f ms %5.0f%% %12.3f %10s %10s %9s  %s" % (
-            r["route"], 1e3 * r["step_s"], 100 * r["utilisation"], r["wan_bytes_per_step"] / 1e6,
+        step = "%.1f ms" % (1e3 * r["step_s"]) if r["step_s"] < 10 else "%.1f s" % r["step_s"]
+        lines.append("%-16s %9s %4.0f%% %11.3f %7s %10s %8s  %s" % (
+            r["route"], step, 100 * r["utilisation"], r["wan_bytes_per_step"] / 1e6,
             "%.0f" % t["steps"] if t else "-", _fmt_s(seconds),
-            "$%.2f" % t["cost_usd"] if "cost_usd" in t else "-", r.get("unreachable", r.get("note", ""))))
+            "$%.0f" % t["cost_usd"] if "cost_usd" in t and not math.isinf(t["cost_usd"]) else "-",
+            r.get("unreachable") or t.get("revocation_note") or r.get("note", "")))
     for s in result["skipped"]:
         lines.append("%-16s skipped: %s" % (s["route"], s["why"]))
     rec = result["recommendation"]
@@ -170,7 +172,8 @@ def write_plot(result, path):
     axes[0].legend()
     axes[0].invert_yaxis()
     t = [(r.get("to_target") or {}) for r in rows]
-    axes[1].barh(names, [x.get("seconds_with_revocations", x.get("seconds", 0)) / 60 for x in t], color="tab:orange")
+    minutes = [x.get("seconds_with_revocations", x.get("seconds", 0)) / 60 for x in t]
+    axes[1].barh(names, [m if not math.isinf(m) else 0.0 for m in minutes], color="tab:orange")
     axes[1].set_xlabel("minutes to the target (predicted)")
     axes[1].invert_yaxis()
     rec = result["recommendation"]
