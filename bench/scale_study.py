@@ -5,7 +5,7 @@ participants for the rest (PrismLLM's idea at our scale).
     PYTHONPATH=. .venv/bin/python bench/scale_study.py --tag before --no-plots
 
 Grid: clusters {2..64} x GPUs per cluster {1,2,4,8} x models {100M, 1B, 7B, 70B} (LLaMA-style
-layer shapes: the buckets and shards are the runtime's own, stella_mpi/plan/memory.buckets) x
+layer shapes: the buckets and shards are the runtime's own, stella_mpi/plan/wire.bucket_members) x
 links {20M, 100M, 1G, 10G} bit/s x routes (dense fp32, fp16, sparse top-k and cache-aware 1 %
 by all-gather and by tree, THC 4-bit, local steps H=32 with a THC 4-bit pseudo-gradient).
 
@@ -44,6 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from provenance import provenance  # noqa: E402
 
+from stella_mpi.base.config import Config  # noqa: E402
 from stella_mpi.comm.buffers import split_counts  # noqa: E402
 from stella_mpi.comm import sparse_exchange  # noqa: E402
 from stella_mpi._native import compress as ckernels  # noqa: E402
@@ -154,9 +155,11 @@ def _controller(Controller, AdjusterSettings):
     return _CTRL[0]
 
 
-def shard_counts(numels, g, fusion_bytes):
-    """Counter {rank 0's shard of a bucket: buckets} (the runtime's buckets and split)."""
-    return collections.Counter(split_counts(sum(b), g)[0] for b in memory.buckets(numels, fusion_bytes))
+def shard_counts(numels, g, fusion_bytes, pseudo=False):
+    """Counter {rank 0's shard of a bucket: buckets} (the runtime's buckets and split; with
+    ``pseudo``, local steps' pseudo-gradient buckets)."""
+    return collections.Counter(split_counts(b, g)[0] for b in (wire.pseudo_buckets if pseudo else wire.buckets)(
+        numels, fusion_bytes))
 
 
 def simulate(costs, model, numels, c, g, link, route, gpu, args, shards=None):
@@ -168,7 +171,7 @@ def simulate(costs, model, numels, c, g, link, route, gpu, args, shards=None):
     every, cpu_kind = (H, "thc") if kind == "local" else (1, kind)
     if kind == "local":   # the pseudo-gradient's buckets (one fused buffer with --pseudo-bucket 0)
         shards = collections.Counter({split_counts(total, g)[0]: 1}) if args.pseudo_bucket == 0 else \
-            shard_counts(numels, g, args.fusion if args.pseudo_bucket is None else args.pseudo_bucket)
+            shard_counts(numels, g, args.fusion if args.pseudo_bucket is None else args.pseudo_bucket, pseudo=True)
     shards = shards if shards is not None else shard_counts(numels, g, args.fusion)
     cpu = 0.0
     for n, count in shards.items():
@@ -261,6 +264,13 @@ def plots(data, prefix):
     grid = data["grid"]
     files = []
 
+    def save(fig, name):
+        f = "%s_%s.png" % (prefix, name)
+        fig.tight_layout()
+        fig.savefig(os.path.join(RESULTS, f), dpi=90)
+        plt.close(fig)
+        files.append(f)
+
     def sel(**kw):
         return [r for r in grid if all(r[k] == v for k, v in kw.items())]
     for model, link, g in (("1B", 100e6, 8), ("70B", 1e9, 8)):
@@ -278,11 +288,7 @@ def plots(data, prefix):
         axes[0].set_yscale("log")
         axes[1].legend(fontsize=7)
         fig.suptitle("%s, %d GPUs per cluster, %s bit/s" % (model, g, "%g" % link))
-        f = "%s_clusters_%s.png" % (prefix, model)
-        fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, f), dpi=90)
-        plt.close(fig)
-        files.append(f)
+        save(fig, "clusters_%s" % model)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, *_ in ROUTES:
         rows = [sel(model=m[0], link_bps=1e9, gpus=8, clusters=8, route=name)[0] for m in MODELS]
@@ -292,11 +298,7 @@ def plots(data, prefix):
     ax.set_ylabel("utilisation (8 clusters x 8 GPUs, 1 Gbit/s)")
     ax.grid(alpha=.3)
     ax.legend(fontsize=7)
-    f = "%s_model_size.png" % prefix
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f), dpi=90)
-    plt.close(fig)
-    files.append(f)
+    save(fig, "model_size")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (link, g) in zip(axes, (("100M", 8), ("1G", 8), ("1G", 1))):
         rows = [r for r in data["crossover"] if r["link"] == link and r["gpus"] == g and r["compressor"] == "topk"]
@@ -310,11 +312,7 @@ def plots(data, prefix):
         ax.set_ylabel("payload per rank (KiB)")
         ax.set_title("%s bit/s, %d GPUs/cluster: square = faster (green tree, blue all-gather);\n"
                      "dot = runtime's choice (white tree, black all-gather)" % (link, g), fontsize=8)
-    f = "%s_crossover.png" % prefix
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f), dpi=90)
-    plt.close(fig)
-    files.append(f)
+    save(fig, "crossover")
     fig, ax = plt.subplots(figsize=(6, 4))
     m = data["merge"]
     cs = [r["clusters"] for r in m]
@@ -328,11 +326,7 @@ def plots(data, prefix):
     ax.set_ylabel("ms per shard of %d elements, 1 %%" % m[0]["shard"])
     ax.grid(alpha=.3)
     ax.legend(fontsize=7)
-    f = "%s_merge.png" % prefix
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f), dpi=90)
-    plt.close(fig)
-    files.append(f)
+    save(fig, "merge")
     fig, ax = plt.subplots(figsize=(8, 4))
     mem = {k: v for k, v in data["memory_70b"].items() if k.startswith("64x8/")}
     names = list(mem)
@@ -347,11 +341,7 @@ def plots(data, prefix):
     ax.set_ylabel("GiB per rank beyond model + optimizer")
     ax.set_title("70B, 64 clusters x 8 GPUs")
     ax.legend(fontsize=6)
-    f = "%s_memory_70b.png" % prefix
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f), dpi=90)
-    plt.close(fig)
-    files.append(f)
+    save(fig, "memory_70b")
     return files
 
 
@@ -379,7 +369,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--samples", type=int, default=8, help="samples per GPU per step")
     ap.add_argument("--latency", type=float, default=0.025, help="one-way WAN latency per round, s")
-    ap.add_argument("--fusion", type=int, default=memory.DEFAULT_FUSION_BYTES, help="bucket bytes")
+    ap.add_argument("--fusion", type=int, default=Config.from_env().fusion_threshold,
+                    help="bucket bytes (default: the runtime's STELLA_FUSION_THRESHOLD)")
     ap.add_argument("--pseudo-bucket", type=int, default=None,
                     help="bucket bytes of the local-steps pseudo-gradient exchange (default: --fusion, the "
                          "runtime's rule; 0: one fused buffer of the whole model, the rule before issue 32)")
@@ -414,7 +405,7 @@ def main(argv=None):
                          "latency_s": args.latency, "fusion_bytes": args.fusion, "pseudo_bucket_bytes": args.pseudo_bucket,
                          "cpu_factor": args.cpu_factor, "density": DENSITY, "local_every": H,
                          "models": {m[0]: sum(param_numels(*m[1:])) for m in MODELS},
-                         "buckets": {m[0]: len(memory.buckets(param_numels(*m[1:]), args.fusion)) for m in MODELS},
+                         "buckets": {m[0]: len(wire.buckets(param_numels(*m[1:]), args.fusion)) for m in MODELS},
                          "tree_min_payload": sparse_exchange.TREE_MIN_PAYLOAD},
             "kernel_costs": costs.to_dict(), "measure_s": t_measure,
             "grid": grid, "crossover": crossover(costs, args), "merge": merge_measured(costs, args),

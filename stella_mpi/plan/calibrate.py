@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .predict import steps_to
 from .routes import select
 from .workload import load, split_source
 
@@ -138,19 +139,6 @@ def measure_transfer(hvd, comm, sizes, nbytes=4 << 20):
     return 8.0 * nbytes / took
 
 
-def _interp_steps(curve, target):
-    """Steps at which the held-out loss first reaches ``target`` (linear between evaluations)."""
-    prev = None
-    for step, loss in curve:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return float(step)
-            s0, l0 = prev
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
-        prev = (step, loss)
-    return None
-
-
 def run_route(hvd, route, source, per_rank, model_args, init_state, steps, target, every_eval):
     """One route's run from ``init_state``: per-step parts and the held-out curve."""
     w = load(source, per_rank, hvd.rank(), model_args)   # a fresh model: the last route's hooks stay on its own
@@ -196,7 +184,7 @@ def run_route(hvd, route, source, per_rank, model_args, init_state, steps, targe
     out = {"ranks": everyone, "curve": curve, "steps": steps,
            "step_s": max(r["step_s"] for r in everyone)}
     if target is not None and curve:
-        out["steps_to_target"] = _interp_steps(curve, target)
+        out["steps_to_target"] = steps_to(curve, target)
     return out
 
 

@@ -1,8 +1,8 @@
 """Bytes one rank holds for a cross-cluster route beyond the model and the user's optimizer,
 from the runtime's own allocation rules (no tensor is allocated here):
 
-* buckets: :func:`stella_mpi.optim.buckets.plan_by_size` over the parameters in reverse order
-  (``STELLA_FUSION_THRESHOLD``, 64 MiB by default); a bucket of several tensors is copied into
+* buckets: the runtime's own plan (:func:`.wire.bucket_members`: the parameters in reverse order
+  cut at ``STELLA_FUSION_THRESHOLD``); a bucket of several tensors is copied into
   the reused ``fusion`` scratch (:func:`stella_mpi.core.fusion.fuse`, the largest bucket);
 * shards: uniform clusters of g ranks reduce-scatter each bucket inside the cluster
   (``split_counts``, rank 0's shard the largest) into the ``shard`` scratch; unequal clusters
@@ -21,7 +21,7 @@ from the runtime's own allocation rules (no tensor is allocated here):
   dtype), the outer optimizer's state (Nesterov: one momentum buffer per parameter; "average":
   none), the pseudo-gradients (a new tensor per parameter at each exchange) and the pseudo
   route's own buffers for the buckets its exchange uses (optim/tuning.py
-  pseudo_gradient_exchange cuts it by the fusion threshold, as the gradient route;
+  pseudo_gradient_exchange cuts it by the fusion threshold in parameter order;
   ``pseudo_bucket_bytes=0`` prices the single fused buffer of the whole model it used before);
 * ``device="gpu"``: the route's tensors live on the GPU, and what crosses to MPI is staged in
   page-locked host buffers per slot (:class:`stella_mpi.base.devices.DeviceRoute`): the
@@ -30,38 +30,11 @@ from the runtime's own allocation rules (no tensor is allocated here):
 """
 from .._native import thc as thc_kernels
 from ..comm.buffers import split_counts
-from ..optim.buckets import plan_by_size
+from .wire import bucket_members
 
-__all__ = ["route_memory", "buckets", "DEFAULT_FUSION_BYTES"]
+__all__ = ["route_memory"]
 
-DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 SPARSE = ("topk", "cacheaware", "threshold", "randomk")
-
-
-class _Param:
-    """What plan_by_size reads of a parameter: its size, dtype and device."""
-    __slots__ = ("n", "item")
-    dtype = "float32"
-    device = "device"
-
-    def __init__(self, n, item):
-        self.n, self.item = int(n), int(item)
-
-    def numel(self):
-        return self.n
-
-    def element_size(self):
-        return self.item
-
-
-def buckets(param_numels, fusion_bytes=None, item=4):
-    """[[numel of each tensor] per bucket] as DistributedOptimizer cuts them (reverse
-    registration order, at most ``fusion_bytes`` each; a larger parameter is a bucket of its own)."""
-    cap = DEFAULT_FUSION_BYTES if fusion_bytes is None else int(fusion_bytes)
-    if cap <= 0:
-        raise ValueError("fusion_bytes must be > 0, got %r" % (fusion_bytes,))
-    params = [_Param(n, item) for n in reversed(list(param_numels))]
-    return [[p.n for p in ps] for _, ps in plan_by_size([params], cap)]
 
 
 def _field(route, name, default=None):
@@ -75,7 +48,7 @@ def _cross_buffers(kind, compressor, density, bits, nclusters, g, uniform, bucke
     if not sizes:
         return
     shards = [split_counts(n, g)[0] if uniform else n for n in sizes]
-    big, big_shard = max(sizes), max(shards)
+    big_shard = max(shards)
     add = lambda k, v: out.__setitem__(prefix + k, out.get(prefix + k, 0) + int(v))
     if any(len(b) > 1 for b in bucket_list):
         add("fusion", 4 * max(n for n, b in zip(sizes, bucket_list) if len(b) > 1))
@@ -141,7 +114,8 @@ def route_memory(route, cluster_sizes, param_numels, fusion_bytes=None, device="
         if pk == "local":
             raise ValueError("a local route's pseudo-gradient route cannot itself be local")
         plan = ([numels] if pseudo_bucket_bytes == 0 else
-                buckets(numels, fusion_bytes if pseudo_bucket_bytes is None else pseudo_bucket_bytes))
+                bucket_members(numels, fusion_bytes if pseudo_bucket_bytes is None else pseudo_bucket_bytes,
+                               pseudo=True))
         if c > 1:
             _cross_buffers(pk, _field(pseudo, "compressor"), _field(pseudo, "density", 0.01), _field(pseudo, "bits", 4),
                            c, g, uniform, plan, "pseudo_", device, out, bytes_per_entry)
@@ -149,7 +123,7 @@ def route_memory(route, cluster_sizes, param_numels, fusion_bytes=None, device="
     if c == 1:
         return out
     _cross_buffers(kind, _field(route, "compressor"), _field(route, "density", 0.01), _field(route, "bits", 4), c, g,
-                   uniform, buckets(numels, fusion_bytes), "", device, out, bytes_per_entry)
+                   uniform, bucket_members(numels, fusion_bytes), "", device, out, bytes_per_entry)
     if kind == "sparse" and momentum_correction:
         out["momentum_velocity"] = 4 * total
     return out

@@ -147,33 +147,18 @@ class Machine:
         return self.gpu(kind).intra_gbps * 8e9
 
 
-def _cpu_work(machine, w, measured, traffic, layout, param_numels, fusion_bytes):
-    """The CPU work (selection, encoding, decoding, merge) of one exchange through ``w`` (a
-    synchronous wire route: a local route's pseudo-gradient compression) on the busiest rank:
-    the calibration's measurement of that synchronous route scaled by the kernels' costs from
-    its layout (two clusters of one rank: whole buffers) to this one; without a measurement,
-    the kernels' costs alone."""
-    costs = machine.costs
-
-    def model(rows, c):
-        n = max(t["elements"] for t in rows)
-        k = max(t["entries_sent"] for t in rows)
-        if costs is None:
-            return None
-        if w.kind == "sparse":
-            return costs.sparse_cpu_s(w.compressor, n, k, c, choose_algorithm(w.algorithm, c, 8 * k))
-        if w.kind == "thc":
-            return costs.thc_cpu_s(n, w.bits, c)
-        return costs.dense_cpu_s(n, c)
-    here = model(traffic, len(layout.clusters))
-    if measured is None:
-        return here or 0.0
-    calib = wire.step_traffic(w, machine.calib_sizes, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
-                              payload=_payload_for(w, param_numels, fusion_bytes, measured))
-    there = model(calib, len(machine.calib_sizes))
-    if here is not None and there:
-        return measured["cpu_s"] * here / there
-    return measured["cpu_s"] * max(t["elements"] for t in traffic) / max(max(t["elements"] for t in calib), 1)
+def _kernel_model(costs, w, rows, nclusters):
+    """The kernels' CPU seconds (selection, encoding, decoding, merge) of one exchange through
+    ``w`` (a synchronous wire route) on the busiest of ``rows``; None without kernel costs."""
+    if costs is None:
+        return None
+    n = max(t["elements"] for t in rows)
+    k = max(t["entries_sent"] for t in rows)
+    if w.kind == "sparse":
+        return costs.sparse_cpu_s(w.compressor, n, k, nclusters, choose_algorithm(w.algorithm, nclusters, 8 * k))
+    if w.kind == "thc":
+        return costs.thc_cpu_s(n, w.bits, nclusters)
+    return costs.dense_cpu_s(n, nclusters)
 
 
 def payload_scale(route, param_numels, fusion_bytes, measured):
@@ -209,12 +194,12 @@ def _payload_for(w, param_numels, fusion_bytes, measured):
 
 
 
-def traffic_of(route, sizes, param_numels, fusion_bytes=None, measured=None, step=None):
+def traffic_of(route, sizes, param_numels, fusion_bytes=None, payload=None, step=None):
     """Each rank's counters summed over one period (H steps of local steps, else one step), in
-    steady state (past the density warm-up), or at optimizer step ``step``."""
+    steady state (past the density warm-up), or at optimizer step ``step``; ``payload``: the
+    wire model's callable for a data-dependent compressor (:func:`_payload_for`)."""
     w = route.wire
     every = w.every if w.kind == "local" else 1
-    payload = _payload_for(w.pseudo if w.kind == "local" else w, param_numels, fusion_bytes, measured)
     base = STEADY - STEADY % every if step is None else step
     steps = [wire.step_traffic(w, sizes, param_numels, fusion_bytes=fusion_bytes, step=base + s, payload=payload)
              for s in range(every)]
@@ -244,81 +229,113 @@ def _intra_s(machine, kind, k, numel, oversub):
     return 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub) if k > 1 else 0.0
 
 
-def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None, sync_measured=None,
-            step=None):
-    """The prediction of ``route`` (a PlanRoute) on ``layout``: a dict of seconds, bytes and ratios,
-    in steady state, or at optimizer step ``step`` (the density warm-up's steps send more).
-    ``measured``: the calibration's record of this route (the busiest rank's medians per step),
-    or None; ``sync_measured``: for local steps, the record of the synchronous route of their
-    pseudo-gradient's compression (its CPU work per exchange: a local step's median holds no
-    exchange)."""
-    numel = sum(param_numels)
-    oversub = [sharing_ratio(layout, machine, c) for c in layout.clusters]
-    compute, batch = _compute(machine, layout, oversub, measured)
-    ranks = layout.ranks()
-    every = route.wire.every if route.wire.kind == "local" else 1
-    traffic = traffic_of(route, layout.sizes, param_numels, fusion_bytes, measured, step)
-    busiest = None
-    # an MPI all-reduce over more than two clusters (dense fp32, THC, local steps' THC or dense
-    # pseudo-gradient) moves more than its counters' ring: its goodput is the probe's
-    w_ = route.wire.pseudo if route.wire.kind == "local" else route.wire
-    allreduce = len(layout.clusters) > 2 and (w_ is None or w_.kind in ("dense", "thc"))
-    efficiency = machine.allreduce_efficiency if allreduce else machine.link_efficiency
-    for i, c in enumerate(layout.clusters):
-        members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
-        nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
-                     sum(traffic[r]["wan_bytes_received"] for r in members))
-        goodput = c.link_bps * efficiency
-        t = 8.0 * nbytes / goodput
-        if busiest is None or t > busiest[0]:
-            busiest = (t, nbytes, goodput)
-    _, nbytes, link = busiest
-    messages = max(t["wan_messages"] for t in traffic)
-    latency = machine.calib["link"]["latency_s"] + 2.0 * layout.delay_s
-    worst = max(range(len(layout.clusters)), key=lambda i: (oversub[i], layout.clusters[i].count))
-    kind = layout.clusters[worst].kind
-    k = layout.clusters[worst].count
-    local = route.wire.kind == "local"
-    sync_wire = (route.wire.pseudo or wire.Route(kind="dense")) if local else route.wire
-    cpu = _cpu_work(machine, sync_wire, sync_measured if local else measured, traffic, layout, param_numels,
-                    fusion_bytes) * oversub[worst]
-    intra = _intra_s(machine, kind, k, numel, oversub[worst])
-    rest = 0.0
-    if measured is not None:
-        rest = _rest(machine, route, measured, param_numels, fusion_bytes) * oversub[worst]
-    fixed = machine.optimizer_s(kind, numel, oversub[worst]) + intra + cpu + rest
-    w = route.wire
-    density = w.density if w.kind == "sparse" else 1.0
-    bits = w.bits if w.kind == "thc" else 0
-    elements = max(max(t["elements"] for t in traffic), 1)
-    # a shaper's token bucket refills while the link idles (the rest of the step, or a period of
-    # local steps) and lets that much through at once
-    idle = compute + fixed + messages * latency if not local else every * (compute + fixed - cpu)
-    nbytes = max(nbytes - min(layout.burst_bytes, link / 8.0 * idle), 0.0)
-    est = Estimate(compute_s=compute, fixed_s=fixed, latency_s=latency, messages=messages,
-                   bytes_per_density=nbytes / density, bandwidth_bps=link,
-                   wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,
-                   fixed_thc_s=fixed, cpu_s=cpu)
-    if local:
-        exchange = messages * latency + 8.0 * nbytes / link + cpu
-        step_s = local_step_time(est) + exchange / every
-        wire_s = 8.0 * nbytes / link / every
-    else:
-        thc = {bits: nbytes / elements} if bits else {}
-        ctl = Controller(AdjusterSettings(thc_bits=(bits,) if bits else ()), overlap=route.overlap, thc_bytes=thc)
-        step_s = ctl.predict(est, 1, density, bits)
-        wire_s = 8.0 * nbytes / link
-    sent = max(t["wan_bytes_sent"] for t in traffic) / every
-    out = {"route": route.name, "step_s": step_s, "compute_s": compute, "utilisation": compute / step_s,
-           "wan_bytes_per_step": sent, "cluster_uplink_bytes_per_step": nbytes / every,
-           "messages_per_step": messages / every, "wire_s": wire_s, "fixed_s": fixed, "cpu_s": cpu,
-           "intra_s": intra, "batch_split": list(batch), "every": every, "warmup_extra_s": 0.0}
-    if step is None:
-        warm = _warmup_steps(route)
-        out["warmup_extra_s"] = sum(
-            predict(route, layout, machine, param_numels, fusion_bytes, measured, sync_measured, s)["step_s"]
-            - step_s for s in range(warm))
+def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None, sync_measured=None):
+    """The prediction of ``route`` (a PlanRoute) on ``layout`` in steady state: a dict of seconds,
+    bytes and ratios, with ``warmup_extra_s``, what the density warm-up's steps (they send more)
+    add over as many steady ones. ``measured``: the calibration's record of this route (the
+    busiest rank's medians per step), or None; ``sync_measured``: for local steps, the record of
+    the synchronous route of their pseudo-gradient's compression (its CPU work per exchange: a
+    local step's median holds no exchange)."""
+    ctx = _Prediction(route, layout, machine, param_numels, fusion_bytes, measured, sync_measured)
+    out = ctx.at(None)
+    out["warmup_extra_s"] = sum(ctx.at(s)["step_s"] - out["step_s"] for s in range(_warmup_steps(route)))
     return out
+
+
+class _Prediction:
+    """What a route's step costs on a layout apart from the step's own traffic (computed once),
+    and the step at a given traffic (:meth:`at`)."""
+
+    def __init__(self, route, layout, machine, param_numels, fusion_bytes, measured, sync_measured):
+        self.route, self.layout, self.machine = route, layout, machine
+        self.params, self.fusion = param_numels, fusion_bytes
+        numel = sum(param_numels)
+        self.oversub = oversub = [sharing_ratio(layout, machine, c) for c in layout.clusters]
+        self.compute, self.batch = _compute(machine, layout, oversub, measured)
+        self.local = local = route.wire.kind == "local"
+        self.every = route.wire.every if local else 1
+        self.sync_wire = (route.wire.pseudo or wire.Route(kind="dense")) if local else route.wire
+        self.payload = _payload_for(route.wire.pseudo if local else route.wire, param_numels, fusion_bytes, measured)
+        # an MPI all-reduce over more than two clusters (dense fp32, THC, local steps' THC or dense
+        # pseudo-gradient) moves more than its counters' ring: its goodput is the probe's
+        allreduce = len(layout.clusters) > 2 and self.sync_wire.kind in ("dense", "thc")
+        self.efficiency = machine.allreduce_efficiency if allreduce else machine.link_efficiency
+        self.latency = machine.calib["link"]["latency_s"] + 2.0 * layout.delay_s
+        self.worst = max(range(len(layout.clusters)), key=lambda i: (oversub[i], layout.clusters[i].count))
+        kind, k = layout.clusters[self.worst].kind, layout.clusters[self.worst].count
+        # the route's CPU work: the calibration's measurement of the synchronous route scaled by
+        # the kernels' costs from the calibration's layout to this one (here: at each traffic)
+        self.cpu_measured = sync_measured if local else measured
+        self.cpu_there = None
+        if self.cpu_measured is not None:
+            self.calib_traffic = wire.step_traffic(
+                self.sync_wire, machine.calib_sizes, param_numels, fusion_bytes=fusion_bytes, step=STEADY,
+                payload=_payload_for(self.sync_wire, param_numels, fusion_bytes, self.cpu_measured))
+            self.cpu_there = _kernel_model(machine.costs, self.sync_wire, self.calib_traffic,
+                                           len(machine.calib_sizes))
+        self.intra = _intra_s(machine, kind, k, numel, oversub[self.worst])
+        rest = _rest(machine, route, measured, param_numels, fusion_bytes) if measured is not None else 0.0
+        self.fixed_but_cpu = machine.optimizer_s(kind, numel, oversub[self.worst]) + self.intra + \
+            rest * oversub[self.worst]
+
+    def _cpu(self, traffic):
+        here = _kernel_model(self.machine.costs, self.sync_wire, traffic, len(self.layout.clusters))
+        m = self.cpu_measured
+        if m is None:
+            cpu = here or 0.0
+        elif here is not None and self.cpu_there:
+            cpu = m["cpu_s"] * here / self.cpu_there
+        else:   # no kernel costs: in proportion to the elements
+            cpu = m["cpu_s"] * max(t["elements"] for t in traffic) / max(
+                max(t["elements"] for t in self.calib_traffic), 1)
+        return cpu * self.oversub[self.worst]
+
+    def at(self, step):
+        """The prediction with the traffic of optimizer step ``step`` (None: steady state)."""
+        route, layout = self.route, self.layout
+        traffic = traffic_of(route, layout.sizes, self.params, self.fusion, self.payload, step)
+        ranks = layout.ranks()
+        busiest = None
+        for i, c in enumerate(layout.clusters):
+            members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
+            nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
+                         sum(traffic[r]["wan_bytes_received"] for r in members))
+            goodput = c.link_bps * self.efficiency
+            t = 8.0 * nbytes / goodput
+            if busiest is None or t > busiest[0]:
+                busiest = (t, nbytes, goodput)
+        _, nbytes, link = busiest
+        messages = max(t["wan_messages"] for t in traffic)
+        cpu = self._cpu(traffic)
+        compute, latency, every = self.compute, self.latency, self.every
+        fixed = self.fixed_but_cpu + cpu
+        w = route.wire
+        density = w.density if w.kind == "sparse" else 1.0
+        bits = w.bits if w.kind == "thc" else 0
+        elements = max(max(t["elements"] for t in traffic), 1)
+        # a shaper's token bucket refills while the link idles (the rest of the step, or a period
+        # of local steps) and lets that much through at once
+        idle = compute + fixed + messages * latency if not self.local else every * (compute + fixed - cpu)
+        nbytes = max(nbytes - min(layout.burst_bytes, link / 8.0 * idle), 0.0)
+        est = Estimate(compute_s=compute, fixed_s=fixed, latency_s=latency, messages=messages,
+                       bytes_per_density=nbytes / density, bandwidth_bps=link,
+                       wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,
+                       fixed_thc_s=fixed, cpu_s=cpu)
+        if self.local:
+            exchange = messages * latency + 8.0 * nbytes / link + cpu
+            step_s = local_step_time(est) + exchange / every
+            wire_s = 8.0 * nbytes / link / every
+        else:
+            thc = {bits: nbytes / elements} if bits else {}
+            ctl = Controller(AdjusterSettings(thc_bits=(bits,) if bits else ()), overlap=route.overlap,
+                             thc_bytes=thc)
+            step_s = ctl.predict(est, 1, density, bits)
+            wire_s = 8.0 * nbytes / link
+        sent = max(t["wan_bytes_sent"] for t in traffic) / every
+        return {"route": route.name, "step_s": step_s, "compute_s": compute, "utilisation": compute / step_s,
+                "wan_bytes_per_step": sent, "cluster_uplink_bytes_per_step": nbytes / every,
+                "messages_per_step": messages / every, "wire_s": wire_s, "fixed_s": fixed, "cpu_s": cpu,
+                "intra_s": self.intra, "batch_split": list(self.batch), "every": every, "warmup_extra_s": 0.0}
 
 
 def _warmup_steps(route):
@@ -346,6 +363,20 @@ def _rest(machine, route, measured, param_numels, fusion_bytes):
     intra = _intra_s(machine, HERE, max(sizes), sum(param_numels), 1.0)
     return max(measured["step_s"] - measured["compute_s"] - max(measured["exchange_s"], calib_wire)
                - measured["cpu_s"] - machine.calib.get("optimizer_s", 0.0) - intra, 0.0)
+
+
+def steps_to(curve, target):
+    """Steps at which a held-out curve [(step, loss)] first reaches ``target`` (linear between
+    evaluations); None when it never does."""
+    prev = None
+    for step, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            s0, l0 = prev
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        prev = (step, loss)
+    return None
 
 
 def time_to_target(pred, steps, layout, commit_every):

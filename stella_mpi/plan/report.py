@@ -7,7 +7,7 @@ import math
 import os
 
 from . import routes as route_table
-from .predict import HERE, Machine, layout_from_spec, predict, time_to_target
+from .predict import HERE, Machine, layout_from_spec, predict, steps_to, time_to_target
 from .workload import SIZES
 
 QUALITY_TOLERANCE = 0.01
@@ -16,11 +16,6 @@ QUALITY_TOLERANCE = 0.01
 def _final_loss(record):
     curve = record.get("curve") or []
     return curve[-1][1] if curve else None
-
-
-def _steps_to(curve, target):
-    from .calibrate import _interp_steps
-    return _interp_steps(curve, target)
 
 
 def _measured_parts(record, cluster_sizes):
@@ -91,8 +86,8 @@ def plan(spec, calib, table=None):
             if not (record and dense_curve and dense_final is not None):
                 pred["note"] = "dense's steps (quality not measured)"
             else:
-                mine = _steps_to(record["curve"], dense_final)
-                theirs = _steps_to(dense_curve, dense_final)
+                mine = steps_to(record["curve"], dense_final)
+                theirs = steps_to(dense_curve, dense_final)
                 if mine and theirs:
                     steps *= mine / theirs
                 else:

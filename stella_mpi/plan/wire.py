@@ -74,7 +74,7 @@ from ..optim.buckets import plan_gradient_buckets, plan_pseudo_gradient_buckets
 from ..optim.outer_sync import LocalSteps
 from ..optim.routes.sync import density_warmup
 
-__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets", "pseudo_buckets",
+__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets", "pseudo_buckets", "bucket_members",
            "bottleneck", "sized_payload", "measured_payload"]
 
 COUNTED = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "elements", "entries_sent")
@@ -214,17 +214,25 @@ def _cap(fusion_bytes):
     return Config.from_env().fusion_threshold if fusion_bytes is None else int(fusion_bytes)
 
 
+def bucket_members(param_numels, fusion_bytes=None, pseudo=False):
+    """[[elements of each parameter] per bucket], in launch order: the synchronous routes'
+    buckets (``optim/buckets.py`` ``plan_gradient_buckets``), or with ``pseudo`` local steps'
+    sparse or THC pseudo-gradient exchange's (``plan_pseudo_gradient_buckets``, parameter
+    order), for float32 parameters of ``param_numels`` (registration order) and
+    ``fusion_bytes`` (None: ``STELLA_FUSION_THRESHOLD``/``HOROVOD_FUSION_THRESHOLD`` or its
+    default)."""
+    plan = plan_pseudo_gradient_buckets if pseudo else plan_gradient_buckets
+    return [[p.numel() for p in b] for b in plan(_metas(param_numels), _cap(fusion_bytes))]
+
+
 def pseudo_buckets(param_numels, fusion_bytes=None):
-    """Elements of each bucket of local steps' sparse or THC pseudo-gradient exchange (parameter
-    order, ``optim/buckets.py`` ``plan_pseudo_gradient_buckets``)."""
-    return [sum(p.numel() for p in b) for b in plan_pseudo_gradient_buckets(_metas(param_numels), _cap(fusion_bytes))]
+    """Elements of each bucket of local steps' sparse or THC pseudo-gradient exchange."""
+    return [sum(b) for b in bucket_members(param_numels, fusion_bytes, pseudo=True)]
 
 
 def buckets(param_numels, fusion_bytes=None):
-    """Elements of each bucket of the synchronous routes, in launch order, for float32
-    parameters of ``param_numels`` (registration order) and ``fusion_bytes``
-    (None: ``STELLA_FUSION_THRESHOLD``/``HOROVOD_FUSION_THRESHOLD`` or its default)."""
-    return [sum(p.numel() for p in b) for b in plan_gradient_buckets(_metas(param_numels), _cap(fusion_bytes))]
+    """Elements of each bucket of the synchronous routes, in launch order."""
+    return [sum(b) for b in bucket_members(param_numels, fusion_bytes)]
 
 
 class _Layout:

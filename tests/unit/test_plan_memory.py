@@ -19,7 +19,8 @@ from stella_mpi.compression import get_compressor
 from stella_mpi.compression.memory import Memory
 from stella_mpi.core.counters import WanStats
 from stella_mpi.core.fusion import fuse
-from stella_mpi.optim.buckets import plan_by_size
+from stella_mpi.optim.buckets import plan_by_size, plan_pseudo_gradient_buckets
+from stella_mpi.plan import wire
 from stella_mpi.plan import memory as pm
 
 FUSION = 48 * 1024   # bytes: several buckets for the small model
@@ -64,7 +65,7 @@ def test_route_memory_matches_the_runtime_allocations(kind):
     planned = [b for _, b in plan_by_size([list(reversed(params))], FUSION)]
     assert len(planned) >= 3 and any(len(b) > 1 for b in planned)
     numels = [p.numel() for p in params]
-    assert pm.buckets(numels, FUSION) == [[p.numel() for p in b] for b in planned]
+    assert wire.bucket_members(numels, FUSION) == [[p.numel() for p in b] for b in planned]
     comp = get_compressor("topk", density=0.01) if kind == "sparse" else get_compressor("thc", bits=4)
     got = _run(comp, None, planned, g=2)
     route = {"kind": kind, "compressor": "topk", "density": 0.01, "bits": 4}
@@ -91,7 +92,10 @@ def test_gpu_staging_fp16_gather_and_local_steps():
     assert local["pseudo_fusion"] == 4 * total   # one fused buffer of the whole model (before issue 32)
     cut = pm.route_memory({"kind": "local", "pseudo": {"kind": "thc", "bits": 4}}, [2] * 4, numels,
                           fusion_bytes=4 * 8500)
-    assert cut["pseudo_fusion"] == 4 * 8000 and cut["pseudo_thc_rotated"] == 4 * 4000   # the runtime's buckets now
+    # the runtime's pseudo-gradient buckets (parameter order, optim/tuning.py): [1000, 5000], [3000]
+    planned = plan_pseudo_gradient_buckets([torch.zeros(n) for n in numels], 4 * 8500)
+    assert [[p.numel() for p in b] for b in planned] == [[1000, 5000], [3000]]
+    assert cut["pseudo_fusion"] == 4 * 6000 and cut["pseudo_thc_rotated"] == 4 * 3000
     assert local["pseudo_residual"] == 4 * split_counts(total, 2)[0]
     avg = pm.route_memory({"kind": "local"}, [2] * 4, numels, outer="average")
     assert "outer_momentum" not in avg

@@ -107,3 +107,31 @@ def test_gpu_kinds_take_compute_from_flops_and_an_unknown_kind_is_named():
     with pytest.raises(ValueError) as e:
         plan(_spec(clusters=[{"count": 1, "kind": "tpu9", "link": 1e9}] * 2), copy.deepcopy(calib), load_table())
     assert "tpu9" in str(e.value) and "h100" in str(e.value) and "--gpu-table" in str(e.value)
+
+
+def test_steps_to_a_target_interpolate_between_evaluations():
+    from stella_mpi.plan.predict import steps_to
+    curve = [(0, 5.5), (50, 4.0), (100, 3.0)]
+    assert steps_to(curve, 3.5) == pytest.approx(75.0)
+    assert steps_to(curve, 6.0) == 0.0 and steps_to(curve, 2.9) is None
+
+
+def test_an_all_reduce_over_three_clusters_takes_the_probes_goodput_a_transfer_does_not():
+    calib = calibration(link={"latency_s": 1e-4, "pair_bps": 1e9, "bandwidth_bps": 1e9, "efficiency": 0.9,
+                              "allreduce_efficiency": 0.3})
+    m = Machine(calib)
+    lay = layout(sizes=(1, 1, 1))
+    thc, fp16 = (predict(route_table.BY_NAME[n], lay, m, PARAMS) for n in ("thc-4", "fp16"))
+    assert thc["wire_s"] == pytest.approx(8 * thc["cluster_uplink_bytes_per_step"] / (100e6 * 0.3))
+    assert fp16["wire_s"] == pytest.approx(8 * fp16["cluster_uplink_bytes_per_step"] / (100e6 * 0.9))
+    two = predict(route_table.BY_NAME["thc-4"], layout(sizes=(1, 1)), m, PARAMS)   # a swap between two
+    assert two["wire_s"] == pytest.approx(8 * two["cluster_uplink_bytes_per_step"] / (100e6 * 0.9))
+
+
+def test_the_density_warm_up_adds_its_extra_traffic_to_the_time():
+    m = Machine(calibration())
+    topk = predict(route_table.BY_NAME["topk-1%"], layout(link=20e6), m, PARAMS)
+    assert topk["warmup_extra_s"] > 0
+    t = time_to_target(topk, 100, layout(link=20e6), commit_every=100)
+    assert t["seconds"] == pytest.approx(100 * topk["step_s"] + topk["warmup_extra_s"])
+    assert predict(route_table.BY_NAME["thc-4"], layout(), m, PARAMS)["warmup_extra_s"] == 0
