@@ -129,8 +129,8 @@ def sparse_route(opt, compression):
 
 def pseudo_gradient_exchange(comp, name):
     """The blocking exchange of local steps' pseudo-gradients over all ranks through ``comp``:
-    a sparse or THC compressor (one fused buffer, one error-feedback residual per shard), or a
-    dense one (fp16/bf16/none).
+    a sparse or THC compressor (error feedback per bucket shard), or a dense one
+    (fp16/bf16/none).
 
     A sparse or THC exchange is cut into buckets of ``STELLA_FUSION_THRESHOLD`` bytes, as the
     gradient route's (one residual per bucket shard, ``<name>.<i>``; one bucket keeps ``name``):

@@ -8,6 +8,7 @@
 * a non-finite value in one cluster's parameters never reaches another cluster: the exchange is
   refused on every rank and every rank goes back to the agreed parameters (``skip``), or every
   rank raises NonFiniteGradientError (``raise``), whatever the pseudo-gradient's compression."""
+import dataclasses
 import logging
 
 import pytest
@@ -211,6 +212,31 @@ def test_raise_policy_raises_the_refused_exchange_on_every_rank(pseudo):
         steps = hvd.allgather_object([step for step, _ in exchange])
         assert len(set(map(tuple, steps))) == 1 and len(steps[0]) == 1, (steps, errors)
         opt.sync_clusters()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert _same_everywhere(model)
+    assert len(set(_counts(opt))) == 1
+
+
+def test_a_refused_bucket_of_a_bucketed_exchange_is_raised_on_every_rank():
+    """A fusion threshold of 64 bytes cuts the THC pseudo-gradient exchange into one bucket per
+    parameter (optim/tuning.py): the NaN is in the first bucket only, and every rank raises the
+    refusal at the same step, goes back to the anchor and stays in step."""
+    from stella_mpi.core import state
+    old = state.current().config
+    state.current().config = dataclasses.replace(old, fusion_threshold=64)
+    try:
+        model = small_model()
+        opt = _optimizer(model, every=4, compression=hvd.Compression.thc(bits=4))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        errors = []
+        with nonfinite_policy("raise"):
+            _train_poisoned(opt, model, 16, 4, errors)
+            exchange = [step for step, e in errors if "local steps: exchange" in e]
+            steps = hvd.allgather_object(exchange)
+            assert len(set(map(tuple, steps))) == 1 and len(steps[0]) == 1, (steps, errors)
+            opt.sync_clusters()
+    finally:
+        state.current().config = old
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert _same_everywhere(model)
     assert len(set(_counts(opt))) == 1
