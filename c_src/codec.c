@@ -22,6 +22,7 @@ static int value_size(int vd) {
     case STELLA_VAL_F32: return 4;
     case STELLA_VAL_F16: return 2;
     case STELLA_VAL_BF16: return 2;
+    case STELLA_VAL_NONE: return 0;
     default: return -1;
     }
 }
@@ -197,6 +198,7 @@ static void write_header(uint8_t *out, int scheme, int vd, int64_t n, int64_t co
 }
 
 static void write_values(uint8_t *out, const float *val, int64_t k, int vd) {
+    if (vd == STELLA_VAL_NONE) return;
     if (vd == STELLA_VAL_F32) { if (k) memcpy(out, val, (size_t)k * 4); return; }
     uint16_t tmp[CONV_CHUNK];
     for (int64_t i = 0; i < k; i += CONV_CHUNK) {
@@ -208,6 +210,7 @@ static void write_values(uint8_t *out, const float *val, int64_t k, int vd) {
 }
 
 static void read_values(const uint8_t *in, float *val, int64_t k, int vd) {
+    if (vd == STELLA_VAL_NONE) { for (int64_t i = 0; i < k; i++) val[i] = 0.0f; return; }
     if (vd == STELLA_VAL_F32) { if (k) memcpy(val, in, (size_t)k * 4); return; }
     uint16_t tmp[CONV_CHUNK];
     for (int64_t i = 0; i < k; i += CONV_CHUNK) {

@@ -23,8 +23,8 @@
  *              ceil(n/16) <= 65536, else uint32), then the singles as in SEG16
  *              (ceil(n / 65536) x uint32 singles per segment, then one uint16
  *              offset each); no single lies in a listed block
- *   value section: one value per entry, float32, float16 or bfloat16, in
- *   ascending index order (for MIXED: of the union of blocks and singles).
+ *   value section: one value per entry, float32, float16 or bfloat16 (none for
+ *   value dtype NONE), in ascending index order (for MIXED: of the union of blocks and singles).
  * Decoding treats the payload as untrusted: every header field, the exact
  * length, strict ascending order and the range of every index are checked.
  */
@@ -46,7 +46,9 @@ enum stella_index_scheme {
 enum stella_value_dtype {
     STELLA_VAL_F32 = 0,
     STELLA_VAL_F16 = 1,       /* round to nearest even; NaN/Inf kept; |x| > 65504 -> Inf */
-    STELLA_VAL_BF16 = 2       /* round to nearest even; NaN/Inf kept */
+    STELLA_VAL_BF16 = 2,      /* round to nearest even; NaN/Inf kept */
+    STELLA_VAL_NONE = 3       /* no value section: indices only (decoded values are 0); the
+                               * index section of a quantised payload (stella_chunked.h) */
 };
 
 enum stella_payload_consts {

@@ -23,6 +23,9 @@ SCHEMES = {"auto": lib.STELLA_IDX_AUTO, "u32": lib.STELLA_IDX_U32, "seg16": lib.
 SCHEME_NAMES = {v: k for k, v in SCHEMES.items()}
 VALUE_DTYPES = {"float32": lib.STELLA_VAL_F32, "float16": lib.STELLA_VAL_F16, "bfloat16": lib.STELLA_VAL_BF16}
 _TORCH_VALUE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# every value section a payload may carry: "none" is the index section of a quantised payload
+# (:mod:`.chunked`), never a sparse compressor's own
+VALUE_NAMES = {**{v: k for k, v in VALUE_DTYPES.items()}, lib.STELLA_VAL_NONE: "none"}
 
 def value_dtype_name(dtype):
     """Normalise a value dtype given as a name or a torch dtype."""
@@ -263,7 +266,7 @@ def decode_info(payload, n):
     check(lib.stella_sparse_decode_info(p, length, int(n), info), "decode payload header")
     return {"n": info.n, "count": info.count, "entries": info.entries, "nbytes": info.nbytes,
             "scheme": SCHEME_NAMES.get(info.scheme, info.scheme),
-            "value_dtype": {v: k for k, v in VALUE_DTYPES.items()}[info.value_dtype], "key": info.key}
+            "value_dtype": VALUE_NAMES[info.value_dtype], "key": info.key}
 
 
 def decode(payload, n, expected_key=0, value_dtype=None, implicit=True):

@@ -3,7 +3,7 @@
 #   tests/fuzz/run_fuzz.sh [SECONDS] [target...]          each target for SECONDS (default 60)
 #   tests/fuzz/run_fuzz.sh --runs N [target...]          each target for N executions
 #   tests/fuzz/run_fuzz.sh --runs 10000000               the release check: 10M executions per target
-# Targets: fuzz_decode fuzz_merge fuzz_thc. Corpora live in build/fuzz/corpus_<target>. Exits non-zero on
+# Targets: fuzz_decode fuzz_merge fuzz_thc fuzz_qdecode. Corpora live in build/fuzz/corpus_<target>. Exits non-zero on
 # the first crash (the input is kept as build/fuzz/<target>-crash-*). Without clang it installs
 # Debian's (root) or says how; 77 (skip) when it cannot.
 set -euo pipefail
@@ -18,7 +18,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${STELLA_FUZZ_BUILD:-$ROOT/build/fuzz}"
 CC="${CLANG:-clang}"
 TARGETS=("$@")
-[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(fuzz_decode fuzz_merge fuzz_thc)
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(fuzz_decode fuzz_merge fuzz_thc fuzz_qdecode)
 if ! command -v "$CC" >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "clang not found: installing Debian's (apt-get install -y clang)" >&2
   apt-get install -y -q clang >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q clang >/dev/null 2>&1; } || true
