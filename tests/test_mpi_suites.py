@@ -12,7 +12,7 @@ ALL = ["-m", "pytest", "-q", "-s", "-x", "-p", "no:cacheprovider", "tests/mpi"]
 PYTEST = ALL + ["--ignore", "tests/mpi/test_device_route.py"]
 DEVICE = ["tests/mpi/test_device_route.py"]
 DENSE = PYTEST[:7] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
-SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py"]
+SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py", "tests/mpi/test_chunked.py"]
 
 # (name, ranks, environment, suites): the dense suites run on every layout, the sparse
 # route on the layouts where it differs (two clusters, uneven, three clusters); the layouts marked

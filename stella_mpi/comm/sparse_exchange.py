@@ -281,7 +281,8 @@ def dense_rung(hier, piece, comp, memory, key, comm):
     res = memory.get(key) if memory is not None else None
     if res is not None:
         if res.numel() == piece.numel():   # (a name reused with another size starts afresh)
-            piece.add_(res.to(piece.device))
+            back = getattr(comp, "from_coefficients", None)   # a residual kept in a transformed domain
+            piece.add_((back(res.clone()) if back is not None else res).to(piece.device))
         memory.reset(key)
     grad_sq = float(torch.dot(piece, piece))
     wire = None if comp.value_dtype == "float32" else getattr(torch, comp.value_dtype)
@@ -310,4 +311,8 @@ def sparse_cross_step(hier, comp, memory, name, step, seed, scale):
         with timeline.span("SCATTER", entries=len(merged)):
             piece.zero_()
             scatter_add(piece, merged, scale)
+        back = getattr(comp, "from_coefficients", None)   # a compressor that selects in a transformed domain
+        if back is not None:
+            with timeline.span("INVERSE_TRANSFORM", elements=piece.numel()):
+                back(piece)
     return cross

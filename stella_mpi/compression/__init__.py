@@ -1,6 +1,6 @@
 """Compression: the contracts (:mod:`.contracts`), Horovod's dense compressors
 (:mod:`.dense`), one module per sparse algorithm (:mod:`.topk`, :mod:`.cacheaware`,
-:mod:`.threshold`, :mod:`.randomk`), homomorphic quantization (:mod:`.thc`), the merge of selections (:mod:`.merge`), the
+:mod:`.threshold`, :mod:`.randomk`, :mod:`.sparseloco`, :mod:`.dct`), homomorphic quantization (:mod:`.thc`), the merge of selections (:mod:`.merge`), the
 error-feedback memory (:mod:`.memory`) and the table of compressors (:mod:`.registry`).
 
 Pure computation on CPU tensors through the C kernels: nothing here talks to MPI.
@@ -16,11 +16,13 @@ Use::
 """
 from .cacheaware import CacheAwareCompressor  # noqa: F401
 from .contracts import Compressor, Selection, SparseCompressor, TensorContext  # noqa: F401
+from .dct import DCTCompressor  # noqa: F401
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor  # noqa: F401
 from .memory import Memory  # noqa: F401
 from .merge import merge_selections, scatter_add  # noqa: F401
 from .randomk import RandomKCompressor  # noqa: F401
 from .registry import Compression, get_compressor, register, registered  # noqa: F401
+from .sparseloco import SparseLoCoCompressor  # noqa: F401
 from .threshold import ThresholdCompressor  # noqa: F401
 from .thc import THCCompressor, THCWork  # noqa: F401
 from .topk import TopKCompressor  # noqa: F401

@@ -67,11 +67,14 @@ class Selection:
              dtype when the compressor sends float16/bfloat16).
     key:     the random-k key when the indices are the random-k draw (the
              payload then carries values only), else None.
+    scales:  the chunks' (lo, step) float32 pairs when the values are quantised
+             on their grid (:mod:`.sparseloco`), else None.
     """
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
     key: Optional[int] = None
+    scales: Optional[torch.Tensor] = None
 
     def __len__(self):
         return self.indices.numel()

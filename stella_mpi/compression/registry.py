@@ -1,9 +1,11 @@
 """The compressors by name: one explicit table of the built-in ones, ``register`` for a user's
 own, and Horovod's ``hvd.Compression`` namespace over both."""
 from .cacheaware import CacheAwareCompressor
+from .dct import DCTCompressor
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .randomk import RandomKCompressor
 from .threshold import ThresholdCompressor
+from .sparseloco import SparseLoCoCompressor
 from .thc import THCCompressor
 from .topk import TopKCompressor
 
@@ -16,6 +18,8 @@ BUILT_IN = {
     "threshold": ThresholdCompressor,
     "randomk": RandomKCompressor,
     "thc": THCCompressor,
+    "sparseloco": SparseLoCoCompressor,
+    "dct": DCTCompressor,
 }
 _REGISTRY = dict(BUILT_IN)
 

@@ -196,7 +196,7 @@ def payload_per_entry(comp, nclusters):
     if getattr(comp, "homomorphic", False):
         return thc_wire_bytes(comp.bits, nclusters, comp.block_log2)
     if getattr(comp, "sparse", False):
-        return (nclusters - 1) * comp.density * ENTRY_BYTES.get(comp.name, 6.0)
+        return (nclusters - 1) * comp.density * (getattr(comp, "entry_bytes", None) or ENTRY_BYTES.get(comp.name, 6.0))
     width = 2 if comp.name in ("fp16", "bf16") else 4
     n = 1 << 20
     return allreduce_bytes(width * n, nclusters) / n

@@ -358,7 +358,7 @@ class SparseRoute(SyncRoute):
         small = sum(p.numel() for p in params if p.numel() < self.dense_below)
         if not small or small == total:
             return comp
-        per_entry = ENTRY_BYTES.get(comp.name, 6.0)
+        per_entry = getattr(comp, "entry_bytes", None) or ENTRY_BYTES.get(comp.name, 6.0)
         budget = comp.density * total * per_entry
         density = (budget - 4.0 * small) / ((total - small) * per_entry)
         if density <= 0:

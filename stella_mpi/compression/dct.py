@@ -1,0 +1,72 @@
+"""DeMo's compressor: the tensor is cut into chunks of ``chunk`` entries, each taken to the
+DCT-II domain (orthonormal), and SparseLoCo's selection runs on the coefficients: top-k per
+chunk, values quantised to ``bits`` (or sent as float32 with ``bits=None``), error feedback in
+the coefficient domain. The receiver sums the coefficients (the transform is linear) and takes
+the inverse; the exchange calls :meth:`DCTCompressor.from_coefficients` after the sum.
+
+Gradients and pseudo-gradients are smooth along a parameter's rows, so a few low-frequency
+coefficients hold much of a chunk's energy (DeMo, Peng et al. 2024). A short tail (``numel %
+chunk`` entries) is left untransformed. The transforms are one matrix product per chunk size
+(chunks of 16 to 1024 entries); the inverse runs in float64 and is rounded to float32, so
+every rank turns the same coefficients into the same bits (whatever its BLAS)."""
+import math
+
+import torch
+
+from .sparseloco import SparseLoCoCompressor
+
+DCT_CHUNK_MAX = 1024
+_BASES = {}
+
+
+def dct_basis(chunk, dtype=torch.float32):
+    """The orthonormal DCT-II matrix D (chunk x chunk): coefficients = D @ x, x = D.T @ coefficients."""
+    key = (chunk, dtype)
+    if key not in _BASES:
+        i = torch.arange(chunk, dtype=torch.float64)
+        d = torch.cos(math.pi * (i[None, :] + 0.5) * i[:, None] / chunk) * math.sqrt(2.0 / chunk)
+        d[0] /= math.sqrt(2.0)
+        _BASES[key] = d.to(dtype)
+    return _BASES[key]
+
+
+def forward(flat, chunk):
+    """The DCT-II of every full chunk of ``flat`` (1-D float32); the tail as it is."""
+    full = flat.numel() // chunk * chunk
+    out = torch.empty_like(flat)
+    if full:
+        torch.matmul(flat[:full].view(-1, chunk), dct_basis(chunk, flat.dtype).to(flat.device).t(),
+                     out=out[:full].view(-1, chunk))
+    out[full:] = flat[full:]
+    return out
+
+
+def inverse_(flat, chunk):
+    """``flat`` (coefficients, 1-D float32) back to the entries' domain, in place."""
+    full = flat.numel() // chunk * chunk
+    if full:
+        coef = flat[:full].view(-1, chunk).to(torch.float64)
+        flat[:full].view(-1, chunk).copy_(coef @ dct_basis(chunk, torch.float64).to(flat.device))
+    return flat
+
+
+class DCTCompressor(SparseLoCoCompressor):
+    """Top-k of each chunk's DCT-II coefficients (the module's documentation). ``density``:
+    the coefficients sent per chunk, ``max(1, round(density * chunk))``; ``bits``: 2, 4, 8 or
+    None (float32 values)."""
+    name = "dct"
+    float_values = True
+    chunk_max = DCT_CHUNK_MAX
+
+    def __init__(self, density=1.0 / 32, chunk=64, bits=4, feedback_decay=1.0, error_feedback=True,
+                 momentum_correction=False, warmup=0, value_dtype="float32"):
+        super().__init__(density=density, chunk=chunk, bits=bits, feedback_decay=feedback_decay,
+                         error_feedback=error_feedback, momentum_correction=momentum_correction, warmup=warmup,
+                         value_dtype=value_dtype)
+
+    def _domain(self, flat):
+        return forward(flat, self.chunk)
+
+    def from_coefficients(self, piece):
+        """The exchange's sum of coefficients (1-D float32, in place) back to the entries."""
+        return inverse_(piece, self.chunk)
