@@ -67,6 +67,16 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
     "local8+thc2": ["--compression", "thc", "--bits", "2", "--local-steps", "8"],
     "local8+thc8": ["--compression", "thc", "--bits", "8", "--local-steps", "8"],
     "local16+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "16"],
+    # issue 31: the pseudo-gradient compressed SparseLoCo's way (chunked top-k, 2 bits) and DeMo's (DCT)
+    "diloco8+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "8", "--outer", "nesterov"],
+    "diloco8+sparseloco1": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2", "--local-steps", "8",
+                            "--outer", "nesterov"],
+    "local8+sparseloco1:ef95": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
+                                "--feedback-decay", "0.95", "--local-steps", "8"],
+    "diloco8+sparseloco3": ["--compression", "sparseloco", "--density", "0.03", "--bits", "2", "--local-steps", "8",
+                            "--outer", "nesterov"],
+    "diloco8+dct1": ["--compression", "dct", "--density", "0.01", "--chunk", "1024", "--bits", "2", "--local-steps",
+                     "8", "--outer", "nesterov"],
     # the CPU engine: its defaults (staleness 1, 150 synchronous steps first, stale prediction) with
     # each compressor's defaults; then the previous release's settings
     "cpu1": ["--compression", "cacheaware", "--engine", "cpu", "--staleness", "1"],

@@ -161,15 +161,20 @@ def main():
                    help="training seconds between held-out evaluations recorded in 'curve' (0: at the end only)")
     p.add_argument("--plain-sparse", action="store_true",
                    help="stella sparse modes without momentum correction and warm-up (the previous release's defaults)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="the sparseloco and dct compressors' chunk (entries; their default when not given)")
+    p.add_argument("--feedback-decay", type=float, default=1.0,
+                   help="the sparseloco and dct compressors' feedback_decay (SparseLoCo: 0.95 with outer 'average')")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order (0: the benches' usual run)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if args.workload == "comm":
         model, task = comm_heavy_model(), RandomTask(rank, 8)
     else:
-        model, task = ByteMLP(32, hidden=args.hidden), ByteBatches(load_corpus(), 32, 64, seed=1 + rank)
+        model, task = ByteMLP(32, hidden=args.hidden), ByteBatches(load_corpus(), 32, 64, seed=1 + rank + 1000 * args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     hvd = None
     if args.mode == "compute":
@@ -204,6 +209,9 @@ def main():
             extra = {"singles": args.singles} if args.singles is not None and comp_name == "cacheaware" else {}
             if args.plain_sparse:
                 extra.update(momentum_correction=False, warmup=0)
+            if comp_name in ("sparseloco", "dct"):   # chunked top-k, values on --bits (dct: 0 for float32)
+                extra.update(bits=args.bits or None, feedback_decay=args.feedback_decay,
+                             **({"chunk": args.chunk} if args.chunk else {}))
             comp = getattr(hvd.Compression, comp_name)(density=args.density, **extra) if comp_name \
                 else hvd.Compression.none
         if kind in ("adapt", "cpuadapt"):

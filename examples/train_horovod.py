@@ -25,10 +25,14 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--compression", default="none",
-                        help="none, fp16, bf16, a sparse WAN compressor (topk, cacheaware, threshold, randomk), "
-                             "or thc (homomorphic quantization, --bits)")
+                        help="none, fp16, bf16, a sparse WAN compressor (topk, cacheaware, threshold, randomk, "
+                             "sparseloco, dct: --bits, --chunk), or thc (homomorphic quantization, --bits)")
     parser.add_argument("--density", type=float, default=0.01, help="fraction sent across clusters (sparse)")
-    parser.add_argument("--bits", type=int, default=4, help="thc: bits per entry across clusters (2 to 8)")
+    parser.add_argument("--bits", type=int, default=4, help="thc: bits per entry across clusters (2 to 8); sparseloco "
+                        "and dct: bits per value (2, 4, 8; dct 0: float32 values)")
+    parser.add_argument("--chunk", type=int, default=None, help="sparseloco and dct: entries per chunk")
+    parser.add_argument("--feedback-decay", type=float, default=1.0,
+                        help="sparseloco and dct: the residual's weight before the next exchange (SparseLoCo: 0.95)")
     parser.add_argument("--no-error-feedback", action="store_true", help="drop what a sparse compressor leaves")
     parser.add_argument("--singles", type=float, default=None,
                         help="cacheaware: share of the bytes spent on single entries beside the blocks (default: the "
@@ -101,6 +105,10 @@ def main():
             extra["warmup"] = args.density_warmup
         if args.momentum_correction in ("on", "off"):
             extra["momentum_correction"] = args.momentum_correction == "on"
+        if args.compression in ("sparseloco", "dct"):
+            extra.update(bits=args.bits or None, feedback_decay=args.feedback_decay)
+            if args.chunk:
+                extra["chunk"] = args.chunk
         compression = getattr(hvd.Compression, args.compression)(
             density=args.density, error_feedback=not args.no_error_feedback, **extra)
     deprecated = {k: v for k, v in (("dense_below", args.dense_below), ("local_clip", args.local_clip),

@@ -111,6 +111,17 @@ def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
     assert "finished without noticing" not in out
 
 
+@pytest.mark.slow   # (the C decoder's refusals of every bad scale run by default: tests/unit/test_chunked_kernels.py)
+def test_a_bad_sparseloco_scale_from_a_peer_ends_the_job_naming_the_sender():
+    proc, elapsed = _launch("corrupt_sparseloco_scale")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, elapsed
+    assert re.search(r"rank 1 sent a malformed payload for 'sparseloco\.grad#shard1' \(step \d+\): quantised payload "
+                     r"decode", out), out[-3000:]
+    assert "finished without noticing" not in out
+
+
 @pytest.mark.slow
 def test_a_rank_waiting_inside_gloo_is_not_named_as_silent():
     """Rank 3 freezes inside an allreduce; rank 2, in its cluster, waits for it inside gloo's

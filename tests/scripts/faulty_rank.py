@@ -47,6 +47,14 @@ if mode == "oversized":
     def pad(payload):   # rank 1 announces more bytes than any payload for its shard can hold
         return torch.cat([payload, torch.zeros(10 * payload.numel() + 100000, dtype=torch.uint8)])
     reduce_tampered(pad, hvd.Compression.topk(density=0.05), "sparse.grad")
+if mode == "corrupt_sparseloco_scale":
+    # rank 1's first chunk scale (lo) becomes negative: no magnitude on that grid may reach a sum
+    def negative_scale(payload):
+        bad = payload.clone()
+        at = 32 + int(bad[24:32].numpy().view("<u8")[0])   # past the header and the index section
+        bad[at:at + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)   # -1.0f
+        return bad
+    reduce_tampered(negative_scale, hvd.Compression.sparseloco(density=0.01, chunk=1024, bits=2), "sparseloco.grad")
 if mode == "corrupt_thc_scale":
     # rank 1 sends a NaN block maximum in the scale round: no rank may quantize with it
     def nan_scales(agreed):
