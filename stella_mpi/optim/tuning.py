@@ -562,8 +562,7 @@ class ModeSwitch:
             self.local.check(saved)
 
         def take():
-            if self.local.channel is not None:
-                self.local.channel.drop()
+            self.local.drop_in_flight()
             if saved is not None:
                 self.local.load_state_dict(saved)
             self._take_mode(mode, estimate)
@@ -581,8 +580,7 @@ class ModeSwitch:
     def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a
         checkpoint loaded on the root alone may have changed its mode)."""
-        if self.local.channel is not None:
-            self.local.channel.drop()
+        self.local.drop_in_flight()
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
