@@ -79,3 +79,44 @@ def test_fragments_train_and_sync_clusters_brings_every_rank_to_the_same_paramet
         residuals = sorted(set().union(*hvd.allgather_object(state.current().sparse_memory.names())))
         for f in range(FRAGMENTS):
             assert any(n.startswith("%s.f%d" % (outer.exchange.name, f)) for n in residuals), residuals
+
+
+def _optimizer(model, **local_steps):
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                    local_steps=hvd.LocalSteps(outer="nesterov", **local_steps))
+
+
+def test_every_fragments_state_travels_with_the_optimizers_state():
+    """What elastic commits and broadcast_optimizer_state carry (the optimizer's state_dict):
+    every fragment's outer state, anchor and counters, the exchange in flight left out; a state
+    of other fragments is refused before anything is loaded."""
+    model = small_model()
+    opt = _optimizer(model, every=EVERY, fragments=FRAGMENTS, delay=DELAY)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(2 * EVERY - 2):   # fragment 1 launched after step 6 is in flight
+        opt.zero_grad()
+        x, y = _batch(7919 * hvd.rank() + step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    outer = opt._outer
+    assert outer.pending is not None and outer.pending.fragment.index == 1
+    saved = opt.state_dict()["stella_local_steps"]
+    assert saved["fragments"] == FRAGMENTS and [len(o["state"]) for o in saved["outer"]] == [1, 3]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)   # the root's local-steps state on every rank
+    assert outer.pending is None   # completed and forgotten: fragment 1's progress goes into its next exchange
+    assert [f.exchanges for f in outer.fragments] == saved["fragment_exchanges"] == [1, 1]
+    assert outer.progress.local_steps == saved["local_steps"] == 2
+    for o, s in zip(outer.outers, saved["outer"]):
+        assert all(torch.equal(o.state_dict()["state"][i]["momentum_buffer"], s["state"][i]["momentum_buffer"])
+                   for i in s["state"])
+    for step in range(2 * EVERY - 2, 2 * EVERY):   # the schedule goes on: fragment 0 after step 8
+        opt.zero_grad()
+        x, y = _batch(7919 * hvd.rank() + step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert outer.pending is not None and outer.pending.fragment.index == 0
+    other = _optimizer(small_model(), every=EVERY, fragments=4)
+    with pytest.raises(ValueError, match="saved with fragments=2, this optimizer has fragments=4"):
+        other.load_state_dict(opt.state_dict())
+    opt.sync_clusters()
+    assert _same_everywhere(model)
