@@ -55,10 +55,38 @@ thread, so the next period's intra-cluster reductions do not queue behind it: ea
 ranks send one shard each (the pseudo-gradient is the same inside a cluster), weighted by
 cluster size, and all-gather the mean inside the cluster. It takes compression none.
 
+Streaming DiLoCo's fragments (``fragments=F``, ``delay=tau``, ``mix=a``; torchft's
+StreamingDiLoCo with ``fragment_sync_delay`` and ``fragment_update_alpha``): the trainable
+parameters are cut into F fragments (optim/fragments.py: contiguous runs in the optimizer's
+order balanced by element count, or the user's ``fragment_groups``), each with its own anchor
+and its own outer torch optimizer, and fragment f is exchanged every H steps at offset f*H/F:
+its pseudo-gradient ``delta_f = anchor_f - params_f`` is launched at the end of local step t
+where ``(t - f*H/F) % H == 0`` (t counted from the phase's start, skipped steps included, as
+above; fragment 0 comes last in each cycle of H steps). It is in flight for tau more inner
+steps and applied after the tau-th (with tau = 0, at once), the same on every rank::
+
+    global_f = outer_f(anchor_f, avg_f)               the outer step above, over fragment f only
+    params_f = a * params_f + (1 - a) * global_f       a = 0: the clusters' result
+    anchor_f = global_f
+
+so the WAN carries one fragment, 1/F of the model, at a time. tau < H/F: a fragment lands
+before the next one is launched (one exchange in flight, its order the same everywhere). The
+launch submits the same collectives as the blocking exchange, named ``<name>.f<index>`` (each
+fragment's error-feedback residuals are its own), on the collective thread: the inner steps'
+forward and backward run meanwhile, their reductions inside the cluster queue behind it. A
+refused fragment (a non-finite value on some rank) goes back to its own anchor on every rank;
+the others train on. ``opt.sync_clusters()`` applies the exchange in flight and then exchanges
+every fragment, blocking, taken whole (no mix): every rank holds the anchor; the schedule goes
+on. A checkpoint holds every fragment's outer state (``outer`` is then a list) and leaves the
+exchange in flight out: its fragment's progress goes into that fragment's next exchange; a
+checkpoint of another F, or of other fragment groups, is refused. One fragment without a delay
+runs the code of the whole-model exchange above, bit for bit.
+
 With an adjuster H is chosen at each exchange from the period's compute and exchange times
 (with ``overlap``, also the exchange's wire time, its arrival polled once per local step)
 gathered from all ranks (adjust/local_steps_rule.py) and applies from the next period, on every
-rank alike.
+rank alike. With fragments or a delay it is not: H stays ``every`` (its offsets are fixed), and
+``hvd.Adjuster(modes=...)`` is refused with them (it starts each phase at an H it predicts).
 
 The strategy itself talks to no other rank: the blocking exchange and the gather of the
 period's times are functions given to it (:func:`pseudo_gradient_exchange` and an all-gather
@@ -97,6 +125,22 @@ class LocalSteps:
     compression: the pseudo-gradient's (an ``hvd.Compression``); None: the optimizer's
         ``compression``. Set it when the adjuster switches modes (``hvd.Adjuster(modes=("sync",
         "local"))``): the optimizer's compression is then the synchronous route's.
+    fragments: F >= 1, Streaming DiLoCo's fragments: the trainable parameters cut into F
+        (contiguous runs in the optimizer's order, balanced by element count), fragment f
+        exchanged every ``every`` steps at offset f*every/F, with an anchor and an outer
+        optimizer of its own (``opt.outer_optimizers``); ``every`` a multiple of F.
+    delay: inner steps a fragment's exchange is in flight before it is applied, in
+        [0, every/fragments): it lands before the next fragment is launched, so one exchange
+        is in flight at a time, the WAN carries one fragment at a time, and the order in which
+        the outer steps apply is the launch order on every rank. 0: applied at once (blocking).
+    mix: in [0, 1]: when an exchange lands, ``params = mix * params + (1 - mix) * global`` over
+        its fragment (0: the clusters' result, the ``delay`` steps since the launch dropped).
+    fragment_groups: instead of the balanced cut, F lists of parameter names (as the optimizer
+        knows them: ``named_parameters``) that cover every trainable parameter exactly once.
+
+    With fragments or a delay the adjuster does not choose H (it stays ``every``), an outer
+    optimizer instance is refused for F > 1 (a callable is called once per fragment), and
+    ``overlap`` is refused (use ``delay``). See the module's documentation.
     """
     every: int
     outer: object = "average"
