@@ -471,8 +471,9 @@ class LocalStepsSync:
     def deltas(self):
         return [(self.anchor[name] - p.detach()).contiguous() for name, p in self.named]
 
-    def outer_step(self):
-        """The blocking exchange of the steps since the last one, and the outer step. A
+    def outer_step(self, mix=None):
+        """The blocking exchange of the steps since the last one, and the outer step (its
+        result weighed with the parameters by ``mix``, by default the settings'). A
         pseudo-gradient that is not finite on some rank is refused on every rank
         (:meth:`_refused`)."""
         self.progress.local_steps = 0
@@ -481,7 +482,7 @@ class LocalStepsSync:
         except NonFiniteGradientError as e:
             self._refused(str(e))
         else:
-            self._outer_apply(avgs, mix=self.settings.mix)
+            self._outer_apply(avgs, mix=self.settings.mix if mix is None else mix)
             self._period_start = time.perf_counter()
 
     def _refused(self, why, fragment=None):
@@ -602,18 +603,26 @@ class LocalStepsSync:
         self._launch_due = None
         if not self.anchor or self.in_sync:
             return
+        error = None
         if self.pending is not None:
             flight, self.pending = self.pending, None
-            self._land(flight)
-        error = None
-        for flight in [self._launch(f, delay=0) for f in self.fragments]:
-            try:   # (STELLA_NONFINITE=raise: every fragment is waited for and applied or refused first)
-                self._land(flight, mix=0.0)
-            except NonFiniteGradientError as e:
-                error = error or e
+            error = self._land_all([flight], mix=None)
+        later = self._land_all([self._launch(f, delay=0) for f in self.fragments], mix=0.0)
+        error = error or later
         self.in_sync = True
         if error is not None:
             raise error
+
+    def _land_all(self, flights, mix):
+        """Land every exchange of ``flights`` in order; the first NonFiniteGradientError raised
+        by a refusal (STELLA_NONFINITE=raise), after all of them landed or were refused."""
+        error = None
+        for flight in flights:
+            try:
+                self._land(flight, mix=mix)
+            except NonFiniteGradientError as e:
+                error = error or e
+        return error
 
     def drop_in_flight(self):
         """Complete the exchange in flight (overlap's or a fragment's) and forget it: a checkpoint
@@ -636,7 +645,7 @@ class LocalStepsSync:
             return
         if self.channel is None:
             if self.progress.local_steps:
-                self.outer_step()
+                self.outer_step(mix=0.0)   # taken whole: the same parameters everywhere
             return
         if not self.anchor or self.in_sync:
             return

@@ -679,3 +679,42 @@ def test_fragment_settings_are_checked_where_they_are_given():
     assert sync.rule is None and [len(c) for c in calls] == [1, 3]
     assert LocalSteps(every=4, fragments=2, fragment_groups=[["0.weight"], ["0.bias"]]).fragment_groups == \
         (("0.weight",), ("0.bias",))
+
+
+def test_sync_clusters_takes_the_exchange_whole_whatever_mix():
+    """mix weighs the clusters' result with each cluster's parameters at every exchange, so the
+    clusters hold different parameters after one; sync_clusters takes it whole (one fragment
+    and blocking, or fragments)."""
+    for settings in (LocalSteps(every=2, mix=0.5), LocalSteps(every=4, fragments=2, mix=0.5)):
+        two = TwoClusters(settings)
+        two.train(4)
+        assert not torch.equal(_flat(two.models[0]), _flat(two.models[1]))
+        two.train(1, start=4)
+        _both(two, "sync_clusters")
+        assert torch.equal(_flat(two.models[0]), _flat(two.models[1]))
+        assert all(torch.equal(p, two.syncs[0].anchor[n]) for n, p in two.models[0].named_parameters())
+
+
+def test_a_refusal_in_sync_clusters_raises_after_every_fragment(monkeypatch):
+    """STELLA_NONFINITE=raise: sync_clusters exchanges every fragment, refuses the one with a
+    NaN (back to its anchor), applies the other, and only then raises, on both clusters."""
+    monkeypatch.setattr(outer_sync, "_policy", lambda: "raise")
+    two = TwoClusters(LocalSteps(every=4, fragments=2, delay=1))
+    two.train(2)   # fragment 1 landed at step 2
+    with torch.no_grad():
+        two.models[1][0].weight.view(-1)[0] = float("nan")   # fragment 0
+    errors = [None, None]
+
+    def sync(c):
+        try:
+            two.syncs[c].sync_clusters()
+        except NonFiniteGradientError as e:
+            errors[c] = str(e)
+    threads = [threading.Thread(target=sync, args=(c,)) for c in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(e is not None and "of fragment 0 of 2 (0.weight)" in e for e in errors), errors
+    assert [f.exchanges for f in two.syncs[0].fragments] == [0, 2]
+    assert torch.equal(_flat(two.models[0]), _flat(two.models[1]))
