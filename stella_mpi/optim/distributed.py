@@ -55,7 +55,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     ``local_steps=hvd.LocalSteps(every=H, outer="average" | "nesterov" | a torch optimizer)``:
     gradients averaged inside each cluster at every step, the pseudo-gradient exchanged across
-    clusters every H steps and applied by the outer optimizer (optim/outer_sync.py).
+    clusters every H steps and applied by the outer optimizer (optim/outer_sync.py); with
+    ``fragments=F, delay=tau`` Streaming DiLoCo's: the model in F fragments exchanged in turn, each
+    in flight for tau inner steps.
 
     ``adjuster=hvd.Adjuster(...)``: the bandwidth-driven adjuster's settings (adjust/settings.py).
 
