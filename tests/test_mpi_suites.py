@@ -13,14 +13,17 @@ PYTEST = ALL + ["--ignore", "tests/mpi/test_device_route.py"]
 DEVICE = ["tests/mpi/test_device_route.py"]
 DENSE = PYTEST[:7] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
 SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py", "tests/mpi/test_chunked.py"]
+FRAGMENTS = "tests/mpi/test_local_steps_fragments.py"
 
 # (name, ranks, environment, suites): the dense suites run on every layout, the sparse
 # route on the layouts where it differs (two clusters, uneven, three clusters); the layouts marked
 # slow repeat what another layout of the default run covers (they run with -m "")
 LAYOUTS = [
     ("np2-one-cluster", 2, {}, PYTEST),
-    # (local steps' agreement and refusals run in np3-uneven-2+1: two clusters, one of two ranks)
-    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py"]),
+    # (local steps' agreement and refusals, and their fragments, run in np3-uneven-2+1: two clusters, one of two
+    # ranks; the fragments also in np4-2x2-fragments)
+    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py",
+                                                             "--ignore", FRAGMENTS]),
     pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
     ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
     pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
@@ -33,6 +36,8 @@ LAYOUTS = [
     # default ("auto") in np2-one-cluster (the dense suites) and np4-2x2-device-path (2 x 2)
     pytest.param("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),
+    # Streaming DiLoCo's fragments on two clusters of two ranks
+    ("np4-2x2-fragments", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST[:7] + [FRAGMENTS]),
     # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
     # and CPU-engine check of the host route must hold on it too
     ("np4-2x2-device-path", 4, {"STELLA_CLUSTERS": "2", "STELLA_DEVICE_PATH": "torch"},

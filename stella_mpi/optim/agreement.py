@@ -75,7 +75,10 @@ def settings_of(spec, named, policy):
         rows += [("local_steps.every", str(ls.every)),
                  ("local_steps.overlap", str(ls.overlap)),
                  ("local_steps.outer", _outer(ls, named)),
-                 ("local_steps.compression", _comp(ls.compression))]
+                 ("local_steps.compression", _comp(ls.compression)),
+                 ("local_steps.fragments", "%d, delay %d, mix %r, groups %s"
+                  % (ls.fragments, ls.delay, ls.mix, "balanced" if ls.fragment_groups is None
+                     else [list(g) for g in ls.fragment_groups]))]
     return rows
 
 

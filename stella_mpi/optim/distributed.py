@@ -55,7 +55,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     ``local_steps=hvd.LocalSteps(every=H, outer="average" | "nesterov" | a torch optimizer)``:
     gradients averaged inside each cluster at every step, the pseudo-gradient exchanged across
-    clusters every H steps and applied by the outer optimizer (optim/outer_sync.py).
+    clusters every H steps and applied by the outer optimizer (optim/outer_sync.py); with
+    ``fragments=F, delay=tau`` Streaming DiLoCo's: the model in F fragments exchanged in turn, each
+    in flight for tau inner steps.
 
     ``adjuster=hvd.Adjuster(...)``: the bandwidth-driven adjuster's settings (adjust/settings.py).
 
@@ -190,9 +192,19 @@ class _DistributedOptimizer(BucketedOptimizer):
 
     @property
     def outer_optimizer(self):
-        """The outer torch optimizer of local steps (give it an LR scheduler), or None."""
+        """The outer torch optimizer of local steps (give it an LR scheduler), or None. With
+        ``LocalSteps(fragments=F)``, F > 1, each fragment has its own: ``outer_optimizers``."""
+        outers = self.outer_optimizers
+        if outers is not None and len(outers) > 1:
+            raise ValueError("LocalSteps(fragments=%d) has one outer optimizer per fragment: use opt.outer_optimizers "
+                             "(a list, fragment 0 first)" % len(outers))
+        return outers[0] if outers else None
+
+    @property
+    def outer_optimizers(self):
+        """[the outer torch optimizer of each fragment] of local steps, or None."""
         local = self._tuner.local if self._tuner is not None else self._outer
-        return getattr(local, "outer", None)
+        return list(local.outers) if getattr(local, "kind", None) == "local" else None
 
     @property
     def _stella_sharded_state(self):
@@ -365,8 +377,7 @@ class _DistributedOptimizer(BucketedOptimizer):
             outer.check(saved)
 
         def restore():
-            if outer.channel is not None:
-                outer.channel.drop()   # its period's progress goes into the next exchange
+            outer.drop_in_flight()   # its period's progress goes into the next exchange
             if saved is not None:
                 outer.load_state_dict(saved, keep_every=outer.rule is None)
             else:   # a checkpoint without local steps: a new period starts from the loaded parameters
@@ -386,8 +397,7 @@ class _DistributedOptimizer(BucketedOptimizer):
             self._tuner.sync_state(root_rank)
         elif self._outer.kind == "local":
             outer = self._outer
-            if outer.channel is not None:
-                outer.channel.drop()
+            outer.drop_in_flight()
             mine = outer.state_dict_on_host() if rank() == root_rank else None
             outer.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"),
                                   keep_every=outer.rule is None)

@@ -55,10 +55,38 @@ thread, so the next period's intra-cluster reductions do not queue behind it: ea
 ranks send one shard each (the pseudo-gradient is the same inside a cluster), weighted by
 cluster size, and all-gather the mean inside the cluster. It takes compression none.
 
+Streaming DiLoCo's fragments (``fragments=F``, ``delay=tau``, ``mix=a``; torchft's
+StreamingDiLoCo with ``fragment_sync_delay`` and ``fragment_update_alpha``): the trainable
+parameters are cut into F fragments (optim/fragments.py: contiguous runs in the optimizer's
+order balanced by element count, or the user's ``fragment_groups``), each with its own anchor
+and its own outer torch optimizer, and fragment f is exchanged every H steps at offset f*H/F:
+its pseudo-gradient ``delta_f = anchor_f - params_f`` is launched at the end of local step t
+where ``(t - f*H/F) % H == 0`` (t counted from the phase's start, skipped steps included, as
+above; fragment 0 comes last in each cycle of H steps). It is in flight for tau more inner
+steps and applied after the tau-th (with tau = 0, at once), the same on every rank::
+
+    global_f = outer_f(anchor_f, avg_f)               the outer step above, over fragment f only
+    params_f = a * params_f + (1 - a) * global_f       a = 0: the clusters' result
+    anchor_f = global_f
+
+so the WAN carries one fragment, 1/F of the model, at a time. tau < H/F: a fragment lands
+before the next one is launched (one exchange in flight, its order the same everywhere). The
+launch submits the same collectives as the blocking exchange, named ``<name>.f<index>`` (each
+fragment's error-feedback residuals are its own), on the collective thread: the inner steps'
+forward and backward run meanwhile, their reductions inside the cluster queue behind it. A
+refused fragment (a non-finite value on some rank) goes back to its own anchor on every rank;
+the others train on. ``opt.sync_clusters()`` applies the exchange in flight and then exchanges
+every fragment, blocking, taken whole (no mix): every rank holds the anchor; the schedule goes
+on. A checkpoint holds every fragment's outer state (``outer`` is then a list) and leaves the
+exchange in flight out: its fragment's progress goes into that fragment's next exchange; a
+checkpoint of another F, or of other fragment groups, is refused. One fragment without a delay
+runs the code of the whole-model exchange above, bit for bit.
+
 With an adjuster H is chosen at each exchange from the period's compute and exchange times
 (with ``overlap``, also the exchange's wire time, its arrival polled once per local step)
 gathered from all ranks (adjust/local_steps_rule.py) and applies from the next period, on every
-rank alike.
+rank alike. With fragments or a delay it is not: H stays ``every`` (its offsets are fixed), and
+``hvd.Adjuster(modes=...)`` is refused with them (it starts each phase at an H it predicts).
 
 The strategy itself talks to no other rank: the blocking exchange and the gather of the
 period's times are functions given to it (:func:`pseudo_gradient_exchange` and an all-gather
@@ -74,6 +102,7 @@ import torch
 from ..adjust.local_steps_rule import period_times
 from ..base.errors import NonFiniteGradientError
 from ..core import state
+from .fragments import Fragment, InFlight, as_exchange, plan_fragments
 
 log = logging.getLogger("stella_mpi")
 OUTER_PRESETS = ("average", "nesterov")
@@ -96,6 +125,22 @@ class LocalSteps:
     compression: the pseudo-gradient's (an ``hvd.Compression``); None: the optimizer's
         ``compression``. Set it when the adjuster switches modes (``hvd.Adjuster(modes=("sync",
         "local"))``): the optimizer's compression is then the synchronous route's.
+    fragments: F >= 1, Streaming DiLoCo's fragments: the trainable parameters cut into F
+        (contiguous runs in the optimizer's order, balanced by element count), fragment f
+        exchanged every ``every`` steps at offset f*every/F, with an anchor and an outer
+        optimizer of its own (``opt.outer_optimizers``); ``every`` a multiple of F.
+    delay: inner steps a fragment's exchange is in flight before it is applied, in
+        [0, every/fragments): it lands before the next fragment is launched, so one exchange
+        is in flight at a time, the WAN carries one fragment at a time, and the order in which
+        the outer steps apply is the launch order on every rank. 0: applied at once (blocking).
+    mix: in [0, 1]: when an exchange lands, ``params = mix * params + (1 - mix) * global`` over
+        its fragment (0: the clusters' result, the ``delay`` steps since the launch dropped).
+    fragment_groups: instead of the balanced cut, F lists of parameter names (as the optimizer
+        knows them: ``named_parameters``) that cover every trainable parameter exactly once.
+
+    With fragments or a delay the adjuster does not choose H (it stays ``every``), an outer
+    optimizer instance is refused for F > 1 (a callable is called once per fragment), and
+    ``overlap`` is refused (use ``delay``). See the module's documentation.
     """
     every: int
     outer: object = "average"
@@ -103,6 +148,10 @@ class LocalSteps:
     outer_momentum: float = 0.9
     overlap: bool = False
     compression: object = None
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.0
+    fragment_groups: object = None
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -121,9 +170,45 @@ class LocalSteps:
             raise ValueError("LocalSteps: overlap must be True or False, got %r" % (self.overlap,))
         if self.compression is not None and not callable(getattr(self.compression, "compress", None)):
             raise ValueError("LocalSteps: compression must be an hvd.Compression, got %r" % (self.compression,))
+        self._check_fragments()
+
+    def _check_fragments(self):
+        """fragments, delay, mix and fragment_groups, alone and with the other settings."""
+        f, every = self.fragments, self.every
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError("LocalSteps: fragments must be an int >= 1 (the parts of the model exchanged in turn), "
+                             "got %r" % (f,))
+        if every % f:
+            raise ValueError("LocalSteps(every=%d, fragments=%d): the offset schedule f*H/F does not fit H: fragment f "
+                             "is exchanged at steps f*every/fragments + k*every; pass every as a multiple of fragments "
+                             "(every=%d)" % (every, f, every + f - every % f))
+        slot = every // f
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < slot:
+            raise ValueError("LocalSteps(every=%d, fragments=%d, delay=%r): delay must be an int in [0, every/fragments) "
+                             "= [0, %d): a fragment's exchange must land before the next fragment's launch, %d steps "
+                             "later; lower delay, or raise every" % (every, f, self.delay, slot, slot))
+        if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0 <= self.mix <= 1:
+            raise ValueError("LocalSteps: mix must be a number in [0, 1] (the share of the local parameters kept when "
+                             "an exchange lands; 0 takes the clusters' result), got %r" % (self.mix,))
+        if self.overlap and (f > 1 or self.delay > 0):
+            raise ValueError("LocalSteps(overlap=True, fragments=%d, delay=%d): overlap hides a whole-model exchange "
+                             "behind the next period; fragments hide theirs behind inner steps: use delay=... with "
+                             "overlap=False" % (f, self.delay))
+        if self.overlap and self.mix:
+            raise ValueError("LocalSteps(overlap=True, mix=%r): overlap keeps the cluster's progress since the launch by "
+                             "itself; mix weighs it when a delayed exchange lands: use delay=... with overlap=False, or "
+                             "mix=0.0" % (self.mix,))
+        if f > 1 and isinstance(self.outer, torch.optim.Optimizer):
+            raise ValueError("LocalSteps(fragments=%d, outer=%s(...)): each fragment has an outer optimizer of its own, "
+                             "over its parameters, and this one holds them all; pass a callable params -> "
+                             "torch.optim.Optimizer (called once per fragment) or a preset (%s)"
+                             % (f, type(self.outer).__name__, ", ".join(OUTER_PRESETS)))
+        if self.fragment_groups is not None:
+            object.__setattr__(self, "fragment_groups", _checked_groups(self.fragment_groups, f))
 
     def outer_optimizer(self, named):
-        """The outer torch optimizer over the parameters ``named`` [(name, parameter)]."""
+        """The outer torch optimizer over the parameters ``named`` [(name, parameter)] (the
+        model's trainable ones, or one fragment's)."""
         params = [p for _, p in named]
         if self.outer == "average":
             return torch.optim.SGD(params, lr=1.0)
@@ -140,10 +225,37 @@ class LocalSteps:
         ours = {id(p): n for n, p in named}
         missing = [n for i, n in ours.items() if i not in theirs]
         if missing or set(theirs) - set(ours):
-            raise ValueError("LocalSteps(outer=...): the outer optimizer must hold exactly the model's trainable "
-                             "parameters; %s" % ("it lacks %s" % ", ".join(sorted(missing)) if missing else
-                                                 "it holds parameters the DistributedOptimizer does not"))
+            raise ValueError("LocalSteps(outer=...): the outer optimizer must hold exactly the parameters it is given "
+                             "(the model's trainable ones, or one fragment's); %s"
+                             % ("it lacks %s" % ", ".join(sorted(missing)) if missing else
+                                "it holds parameters it was not given"))
         return outer
+
+
+def _checked_groups(groups, fragments):
+    """``fragment_groups`` as a tuple of tuples of names, checked without the model: ``fragments``
+    non-empty lists of names, each name once (the model's names are checked when it is known,
+    optim/fragments.py)."""
+    what = "LocalSteps(fragment_groups=...)"
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, (list, tuple)) and all(isinstance(n, str) for n in g) for g in groups):
+        raise ValueError("%s must be a list of lists of parameter names (one list per fragment), got %r"
+                         % (what, groups))
+    if len(groups) != fragments:
+        raise ValueError("%s has %d groups and fragments=%d: pass fragments=%d (one group per fragment)"
+                         % (what, len(groups), fragments, len(groups)))
+    empty = [i for i, g in enumerate(groups) if not g]
+    if empty:
+        raise ValueError("%s: group %d is empty; every fragment holds at least one parameter" % (what, empty[0]))
+    seen, repeated = set(), []
+    for n in (n for g in groups for n in g):
+        if n in seen and n not in repeated:
+            repeated.append(n)
+        seen.add(n)
+    if repeated:
+        raise ValueError("%s names %s more than once; every parameter goes in exactly one fragment"
+                         % (what, ", ".join(repeated)))
+    return tuple(tuple(g) for g in groups)
 
 
 class NoOuterSync:
@@ -171,7 +283,9 @@ class NoOuterSync:
 
 
 class LocalStepsState:
-    """Where local steps stand: H now, steps since the last exchange, exchanges done."""
+    """Where local steps stand: H now, steps since the last exchange (with fragments or a
+    delay: the step within the schedule's cycle of H steps, 0 at its start), exchanges done (of
+    every fragment)."""
 
     def __init__(self, every):
         self.every = every
@@ -183,9 +297,12 @@ class LocalStepsSync:
     """The outer synchronization of local steps (the module's documentation).
 
     ``named``: [(name, parameter)] of the trainable parameters; ``exchange(deltas)``: the mean
-    over all ranks of each rank's pseudo-gradients (blocking, collective); ``channel``: an
-    :class:`OuterChannel` for ``overlap``; ``rule``: a :class:`LocalStepsRule` choosing H, with
-    ``gather(row)`` all-gathering each rank's period times (int64 rows)."""
+    over all ranks of each rank's pseudo-gradients (blocking, collective), with ``launch`` and
+    ``wait`` for a delay and ``fragment(i)`` for fragments of their own collective names
+    (:class:`..tuning.PseudoGradientExchange`; a plain function serves every fragment, exchanged
+    when applied); ``channel``: an :class:`OuterChannel` for ``overlap``; ``rule``: a
+    :class:`LocalStepsRule` choosing H, with ``gather(row)`` all-gathering each rank's period
+    times (int64 rows), unused with fragments or a delay (H stays ``every``)."""
     kind = "local"
 
     def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0,
@@ -193,12 +310,19 @@ class LocalStepsSync:
         self.settings = settings
         self.drop_nonfinite_state = drop_nonfinite_state   # () -> names whose inner state was dropped
         self.named = list(named)
-        self.outer = settings.outer_optimizer(self.named)
+        self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
+        parts = plan_fragments(self.named, settings.fragments, settings.fragment_groups)
+        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part),
+                                   as_exchange(exchange, i, len(parts))) for i, part in enumerate(parts)]
         self.progress = LocalStepsState(settings.every)
         self.anchor = {}
         self.exchange = exchange
         self.channel = channel
         self.overlap = channel is not None
+        if rule is not None and self.streaming:
+            log.info("stella_mpi: LocalSteps(fragments=%d, delay=%d): H stays %d (the adjuster chooses H for one "
+                     "fragment without a delay only)", settings.fragments, settings.delay, settings.every)
+            rule = None
         self.rule = rule
         self.gather = gather
         self.cluster_id = cluster_id
@@ -210,10 +334,25 @@ class LocalStepsSync:
         self._gather_s = 0.0         # the last decision's gather: part of the next exchange's cost
         self.due = False             # the period's last step was counted; its exchange has not run yet
         self.refusals = []           # [(exchange number, message)]: exchanges refused for a non-finite value
+        self.pending = None          # fragments: the exchange in flight (an InFlight), or None
+        self._launch_due = None      # fragments: the fragment whose launch the step just counted owes
 
     @property
     def every(self):
         return self.progress.every
+
+    @property
+    def outers(self):
+        """The outer torch optimizers, one per fragment."""
+        return [f.outer for f in self.fragments]
+
+    @property
+    def outer(self):
+        """The outer torch optimizer (one fragment)."""
+        if len(self.fragments) > 1:
+            raise ValueError("LocalSteps(fragments=%d) has one outer optimizer per fragment: use outers "
+                             "(opt.outer_optimizers)" % len(self.fragments))
+        return self.fragments[0].outer
 
     # ---------------- the step
 
@@ -231,6 +370,9 @@ class LocalStepsSync:
         GradScaler that found one and never calls ``step()``, ``STELLA_NONFINITE=raise``) counts it
         all the same, so every cluster meets at the same step. A skipped last step changes no
         parameter, so its exchange runs now; otherwise it runs after the user's update."""
+        if self.streaming:
+            self._count_streaming(skipped)
+            return
         p = self.progress
         p.local_steps += 1
         if self.channel is not None:    # (also drives MPI's progress on the exchange in flight)
@@ -258,6 +400,9 @@ class LocalStepsSync:
         """The exchange that ends a period, and the decision on H. ``skipped``: this rank's last
         step made no update (its times decide nothing: no rank takes a decision from them)."""
         self.due = False
+        if self.streaming:
+            self._streaming_boundary()
+            return None
         p = self.progress
         started = time.perf_counter()
         compute_s = (started - self._period_start) / max(1, p.local_steps)
@@ -280,14 +425,16 @@ class LocalStepsSync:
 
     def restart(self, every):
         """A new phase of local steps from the parameters as they are (the same on every rank):
-        H = ``every``, the rule's history and the outer optimizer's state cleared (they belong to
-        a past phase)."""
+        H = ``every``, the rule's history and the outer optimizers' state cleared (they belong to
+        a past phase), an exchange in flight forgotten."""
+        self.drop_in_flight()
         self.capture()
         self.progress.every, self.progress.local_steps = every, 0
-        self.due = False
+        self.due, self._launch_due = False, None
         if self.rule is not None:
             self.rule.restart(every)
-        self.outer.state.clear()
+        for outer in self.outers:
+            outer.state.clear()
         self._period_start = None
         self.in_sync = True
 
@@ -297,28 +444,36 @@ class LocalStepsSync:
 
     # ---------------- the outer step
 
-    def _outer_apply(self, avgs, progress=None):
-        """The outer optimizer's step from the anchor with the mean pseudo-gradients ``avgs``
-        (one per parameter, in ``named`` order); every parameter becomes the new anchor, plus
-        ``progress`` (one tensor per parameter, or None)."""
+    def _outer_apply(self, avgs, progress=None, fragment=None, mix=0.0):
+        """Fragment ``fragment``'s (None: the only one) outer optimizer's step from the anchor
+        with the mean pseudo-gradients ``avgs`` (one per parameter, in the fragment's order):
+        the result is the new anchor, and each parameter becomes it, plus ``progress`` (one
+        tensor per parameter, or None), or ``mix * (the parameter now) + (1 - mix) * it``."""
+        fragment = fragment or self.fragments[0]
+        named = fragment.named
         with torch.no_grad():
-            saved = [p.grad for _, p in self.named]
-            for (name, p), avg in zip(self.named, avgs):
+            saved = [p.grad for _, p in named]
+            local = [p.detach().clone() for _, p in named] if mix else None
+            for (name, p), avg in zip(named, avgs):
                 p.copy_(self.anchor[name])
                 p.grad = avg.to(p.device, p.dtype).view_as(p)
-            self.outer.step()
-            for i, ((name, p), grad) in enumerate(zip(self.named, saved)):
+            fragment.outer.step()
+            for i, ((name, p), grad) in enumerate(zip(named, saved)):
                 self.anchor[name].copy_(p)
                 p.grad = grad
                 if progress is not None:
                     p.add_(progress[i])
+                if local is not None:
+                    p.mul_(1.0 - mix).add_(local[i], alpha=mix)
+        fragment.exchanges += 1
         self.progress.exchanges += 1
 
     def deltas(self):
         return [(self.anchor[name] - p.detach()).contiguous() for name, p in self.named]
 
-    def outer_step(self):
-        """The blocking exchange of the steps since the last one, and the outer step. A
+    def outer_step(self, mix=None):
+        """The blocking exchange of the steps since the last one, and the outer step (its
+        result weighed with the parameters by ``mix``, by default the settings'). A
         pseudo-gradient that is not finite on some rank is refused on every rank
         (:meth:`_refused`)."""
         self.progress.local_steps = 0
@@ -327,26 +482,29 @@ class LocalStepsSync:
         except NonFiniteGradientError as e:
             self._refused(str(e))
         else:
-            self._outer_apply(avgs)
+            self._outer_apply(avgs, mix=self.settings.mix if mix is None else mix)
             self._period_start = time.perf_counter()
 
-    def _refused(self, why):
+    def _refused(self, why, fragment=None):
         """An exchange that some rank's non-finite pseudo-gradient refused, decided alike on every
         rank (the exchange's own agreement): no value of it reaches a parameter. Every rank goes
-        back to the anchor, the parameters the clusters last agreed on, and drops what of its
-        inner optimizer's state is not finite; the outer optimizer's state is kept. Then
-        ``STELLA_NONFINITE=raise`` raises NonFiniteGradientError on every rank, ``skip`` warns and
-        training goes on."""
+        back to the anchor, the parameters the clusters last agreed on (with fragments: the
+        refused fragment's only; the others train on), and drops what of its inner optimizer's
+        state is not finite; the outer optimizer's state is kept. Then ``STELLA_NONFINITE=raise``
+        raises NonFiniteGradientError on every rank, ``skip`` warns and training goes on."""
+        fragment = fragment or self.fragments[0]
         n = self.progress.exchanges
-        self.refusals.append((n, why))
+        which = " of %s" % fragment.describe() if fragment.count > 1 else ""
+        self.refusals.append((n, fragment.describe() + ": " + why if which else why))
         self._period_start = None   # the next period is timed from its start: it decides nothing
         with torch.no_grad():
-            for name, p in self.named:
+            for name, p in fragment.named:
                 p.copy_(self.anchor[name])
         dropped = self.drop_nonfinite_state() if self.drop_nonfinite_state is not None else []
-        message = ("local steps: exchange %d across clusters refused on every rank: %s; every rank is back at the "
-                   "parameters the clusters last agreed on%s"
-                   % (n, why.split(": ", 1)[-1] if why.startswith("rank ") else why,
+        message = ("local steps: exchange %d%s across clusters refused on every rank: %s; every rank is back at the "
+                   "parameters the clusters last agreed on%s%s"
+                   % (n, which, why.split(": ", 1)[-1] if why.startswith("rank ") else why,
+                      " for this fragment (the others train on)" if which else "",
                       "; this rank dropped the non-finite inner optimizer state of %s" % ", ".join(dropped)
                       if dropped else ""))
         if _policy() == "raise":
@@ -387,14 +545,107 @@ class LocalStepsSync:
             self._apply_pending()
         self.channel.launch(self._flat_delta())
 
+    # ---------------- fragments (Streaming DiLoCo)
+
+    def _count_streaming(self, skipped):
+        """Count the step in the cycle of H steps: fragment f is launched at the step whose
+        count in the cycle is f*H/F (fragment 0 at H, counted as 0), and the exchange in flight
+        is applied ``delay`` steps after its launch."""
+        p = self.progress
+        p.local_steps = (p.local_steps + 1) % p.every
+        self.in_sync = False
+        if self.pending is not None:
+            self.pending.left -= 1
+        slot = p.every // len(self.fragments)
+        if p.local_steps % slot == 0:
+            self._launch_due = p.local_steps // slot
+        if self._launch_due is not None or (self.pending is not None and self.pending.left <= 0):
+            self.due = True
+            if skipped:
+                self._boundary(skipped=True)
+
+    def _streaming_boundary(self):
+        """After the step's update: apply the exchange whose delay ran out, then launch the
+        fragment due (with no delay, wait for it and apply it at once)."""
+        if self.pending is not None and self.pending.left <= 0:
+            flight, self.pending = self.pending, None
+            self._land(flight)
+        index, self._launch_due = self._launch_due, None
+        if index is not None:
+            flight = self._launch(self.fragments[index])
+            if flight.left == 0:
+                self._land(flight)
+            else:
+                self.pending = flight
+
+    def _launch(self, fragment, delay=None):
+        deltas = [(self.anchor[name] - p.detach()).contiguous() for name, p in fragment.named]
+        return InFlight(fragment, fragment.exchange.launch(deltas), self.settings.delay if delay is None else delay)
+
+    def _land(self, flight, mix=None):
+        """Wait for ``flight`` and apply it: ``global = outer(anchor, mean)``, ``params = mix *
+        params + (1 - mix) * global``, ``anchor = global``, for its fragment only. A refused one
+        sends that fragment back to its anchor on every rank (:meth:`_refused`); returns False
+        then. Another failure of its collectives propagates (their names end in ``.f<index>``)."""
+        fragment = flight.fragment
+        try:
+            avgs = fragment.exchange.wait(flight.handle)
+        except NonFiniteGradientError as e:
+            self._refused(str(e), fragment)
+            return False
+        self._outer_apply(avgs, fragment=fragment, mix=self.settings.mix if mix is None else mix)
+        return True
+
+    def _sync_streaming(self):
+        """sync_clusters with fragments: the exchange in flight applied, then every fragment
+        exchanged (launched together, applied in order) and taken whole (no mix), so every rank
+        holds the anchor. The schedule goes on from where it is."""
+        self._launch_due = None
+        if not self.anchor or self.in_sync:
+            return
+        error = None
+        if self.pending is not None:
+            flight, self.pending = self.pending, None
+            error = self._land_all([flight], mix=None)
+        later = self._land_all([self._launch(f, delay=0) for f in self.fragments], mix=0.0)
+        error = error or later
+        self.in_sync = True
+        if error is not None:
+            raise error
+
+    def _land_all(self, flights, mix):
+        """Land every exchange of ``flights`` in order; the first NonFiniteGradientError raised
+        by a refusal (STELLA_NONFINITE=raise), after all of them landed or were refused."""
+        error = None
+        for flight in flights:
+            try:
+                self._land(flight, mix=mix)
+            except NonFiniteGradientError as e:
+                error = error or e
+        return error
+
+    def drop_in_flight(self):
+        """Complete the exchange in flight (overlap's or a fragment's) and forget it: a checkpoint
+        being loaded replaces what it would apply, and its progress goes into the next exchange.
+        Touches no other rank: every rank launched it."""
+        if self.channel is not None:
+            self.channel.drop()
+        if self.pending is not None:
+            flight, self.pending = self.pending, None
+            flight.fragment.exchange.drop(flight.handle)
+
     def sync_clusters(self):
         """Make every rank hold the same parameters now: with ``overlap``, complete the exchange
         in flight and run one more, blocking; without, run the exchange of the steps since the
-        last one (if any). Collective: every rank calls it at the same step."""
+        last one (if any); with fragments or a delay, complete the exchange in flight and run one
+        more of every fragment, blocking. Collective: every rank calls it at the same step."""
         self.due = False
+        if self.streaming:
+            self._sync_streaming()
+            return
         if self.channel is None:
             if self.progress.local_steps:
-                self.outer_step()
+                self.outer_step(mix=0.0)   # taken whole: the same parameters everywhere
             return
         if not self.anchor or self.in_sync:
             return
@@ -452,18 +703,29 @@ class LocalStepsSync:
     # ---------------- checkpoints
 
     def state_dict(self):
+        """The counters, the anchor and the outer optimizer's state; with fragments, ``outer`` is
+        the list of every fragment's, beside ``fragments``, each fragment's parameter names and
+        exchanges. An exchange in flight is left out (its progress goes into the next one)."""
         p = self.progress
-        return {"every": p.every, "local_steps": p.local_steps, "exchanges": p.exchanges,
-                "anchor": {n: t.clone() for n, t in self.anchor.items()}, "outer": self.outer.state_dict()}
+        sd = {"every": p.every, "local_steps": p.local_steps, "exchanges": p.exchanges,
+              "anchor": {n: t.clone() for n, t in self.anchor.items()}}
+        if len(self.fragments) == 1:   # (the layout of the release before fragments)
+            sd["outer"] = self.fragments[0].outer.state_dict()
+            return sd
+        sd.update(outer=[f.outer.state_dict() for f in self.fragments], fragments=len(self.fragments),
+                  fragment_names=[f.names for f in self.fragments],
+                  fragment_exchanges=[f.exchanges for f in self.fragments])
+        return sd
 
     def check(self, sd):
         """Raise ValueError, naming what is wrong, unless ``sd`` fits these parameters (a
         checkpoint of this layout, or of the one before the outer optimizer: ``momentum`` by
-        parameter name)."""
+        parameter name) and these fragments."""
         names = [n for n, _ in self.named]
         for key in ("local_steps", "exchanges", "anchor"):
             if key not in sd:
                 raise ValueError("LocalSteps state: the checkpoint has no %r (keys %s)" % (key, sorted(sd)))
+        self._check_fragments(sd)
         by_name = dict(self.named)
         for what in ("anchor", "momentum"):
             held = sd.get(what) or {}
@@ -476,6 +738,26 @@ class LocalStepsSync:
                     raise ValueError("LocalSteps state: %s of parameter %r has shape %s, the parameter %s"
                                      % (what, n, list(getattr(t, "shape", [])), list(by_name[n].shape)))
 
+    def _check_fragments(self, sd):
+        outer = sd.get("outer")
+        saved = sd.get("fragments", len(outer) if isinstance(outer, list) else 1)
+        count = len(self.fragments)
+        if saved != count:
+            raise ValueError("LocalSteps state: the checkpoint was saved with fragments=%r, this optimizer has "
+                             "fragments=%d: each fragment's outer optimizer state belongs to its cut; load it with "
+                             "LocalSteps(fragments=%r) (and the same fragment_groups)" % (saved, count, saved))
+        if count == 1:
+            return
+        if not isinstance(outer, list) or len(outer) != count:
+            raise ValueError("LocalSteps state: outer must be a list of %d outer optimizer states (one per fragment), "
+                             "got %s" % (count, type(outer).__name__ if not isinstance(outer, list) else
+                                         "%d" % len(outer)))
+        for f, held in zip(self.fragments, sd.get("fragment_names") or [None] * count):
+            if held is not None and list(held) != f.names:
+                raise ValueError("LocalSteps state: fragment %d of the checkpoint holds %s, this optimizer's holds %s: "
+                                 "pass the fragment_groups the checkpoint was saved with"
+                                 % (f.index, ", ".join(held), ", ".join(f.names)))
+
     def state_dict_on_host(self):
         """The state with its tensors on the CPU (to send to ranks whose devices differ)."""
         sd = self.state_dict()
@@ -487,20 +769,35 @@ class LocalStepsSync:
         """Load ``sd`` (checked first): tensors moved to each parameter's device and dtype.
         ``keep_every``: H stays this optimizer's own (no adjuster: the user's ``every`` holds)."""
         self.check(sd)
+        self.drop_in_flight()
         params = dict(self.named)
         p = self.progress
-        p.every = p.every if keep_every else int(sd.get("every", self.settings.every))
+        p.every = p.every if keep_every or self.streaming else int(sd.get("every", self.settings.every))
         p.local_steps, p.exchanges = int(sd["local_steps"]), int(sd["exchanges"])
+        if self.streaming:   # (H is the user's: a step of a cycle of another H falls into this one)
+            p.local_steps %= p.every
         self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
-        if "outer" in sd:
-            self.outer.load_state_dict(sd["outer"])
-        else:   # the layout before the outer optimizer: the Nesterov preset's momentum by name
-            self.outer.state.clear()
-            for n, t in (sd.get("momentum") or {}).items():
-                self.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
+        self._load_outer(sd, params)
         self._period_start = None
         self.in_sync = False
-        self.due = False
+        self.due, self._launch_due = False, None
+
+    def _load_outer(self, sd, params):
+        outer = sd.get("outer")
+        if isinstance(outer, list):
+            for f, state_dict, n in zip(self.fragments, outer, sd.get("fragment_exchanges") or [0] * len(outer)):
+                f.outer.load_state_dict(state_dict)
+                f.exchanges = int(n)
+            return
+        first = self.fragments[0]
+        first.exchanges = int(sd["exchanges"])
+        if outer is not None:
+            first.outer.load_state_dict(outer)
+            return
+        # the layout before the outer optimizer: the Nesterov preset's momentum by name
+        first.outer.state.clear()
+        for n, t in (sd.get("momentum") or {}).items():
+            first.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
 
 
 def _to_cpu(obj):

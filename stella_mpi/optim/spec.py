@@ -542,6 +542,28 @@ def _local_steps_options(s, opt):
 
 
 @refusal
+def _fragments_fit_the_model(s, opt):
+    ls = s.local_steps
+    if ls is None or ls.fragments == 1:
+        return None
+    count = len(_trainable(opt))
+    if ls.fragment_groups is None and ls.fragments > count:
+        return ("DistributedOptimizer(local_steps=hvd.LocalSteps(fragments=%d)): the optimizer has %d trainable "
+                "parameters and a fragment holds at least one whole parameter; pass fragments <= %d"
+                % (ls.fragments, count, count))
+
+
+@refusal
+def _fragments_with_modes(s, opt):
+    ls = s.local_steps
+    if ls is not None and s.modes and (ls.fragments > 1 or ls.delay > 0):
+        return ("DistributedOptimizer(adjuster=hvd.Adjuster(modes=('sync', 'local'))): the adjuster starts each phase of "
+                "local steps at the H it predicts and times whole periods, which fragments' fixed schedule does not "
+                "give; pass LocalSteps(fragments=1, delay=0) (got fragments=%d, delay=%d), or leave modes out"
+                % (ls.fragments, ls.delay))
+
+
+@refusal
 def _pseudo_gradient_twice(s, opt):
     ls = s.local_steps
     if ls is not None and not s.modes and ls.compression is not None and s.compression is not Compression.none:

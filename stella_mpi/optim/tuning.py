@@ -127,10 +127,15 @@ def sparse_route(opt, compression):
                        dense_below=spec.dense_below, local_clip=spec.local_clip)
 
 
-def pseudo_gradient_exchange(comp, name):
-    """The blocking exchange of local steps' pseudo-gradients over all ranks through ``comp``:
-    a sparse or THC compressor (error feedback per bucket shard), or a dense one
-    (fp16/bf16/none).
+class PseudoGradientExchange:
+    """The exchange of local steps' pseudo-gradients over all ranks through ``comp``: a sparse
+    or THC compressor (error feedback per bucket shard), or a dense one (fp16/bf16/none).
+
+    ``launch(deltas)`` submits the collectives and returns at once (the handle of what is in
+    flight); ``wait(pending)`` synchronizes them and returns the mean pseudo-gradients; calling
+    the exchange, ``exchange(deltas)``, is ``wait(launch(deltas))``. ``fragment(i)`` is the
+    exchange of Streaming DiLoCo's fragment ``i``: the same compressor, its collectives named
+    ``<name>.f<i>`` (so its error-feedback residuals are its own).
 
     A sparse or THC exchange is cut into buckets of ``STELLA_FUSION_THRESHOLD`` bytes, as the
     gradient route's (one residual per bucket shard, ``<name>.<i>``; one bucket keeps ``name``):
@@ -138,27 +143,62 @@ def pseudo_gradient_exchange(comp, name):
     2**31 elements per shard on (a 70B model on 8 GPUs per cluster), more than the kernels take
     (bench/scale_study.py, docs/design/scale.md). Every bucket is waited for before a refused
     one raises, so all ranks leave the exchange alike."""
-    def exchange(deltas):
+
+    def __init__(self, comp, name):
+        self.comp = comp
+        self.name = name
+
+    def fragment(self, index):
+        return PseudoGradientExchange(self.comp, "%s.f%d" % (self.name, index))
+
+    def __call__(self, deltas):
+        return self.wait(self.launch(deltas))
+
+    def launch(self, deltas):
+        """Submit the exchange of ``deltas`` (the list is reduced in place by a sparse
+        compressor); returns (handles, the dense compressor's contexts or None)."""
+        comp, name = self.comp, self.name
         if getattr(comp, "sparse", False):
             groups = plan_pseudo_gradient_buckets(deltas, state.current().config.fusion_threshold)
-            handles = [compressed_allreduce_async(g, comp, name if len(groups) == 1 else "%s.%d" % (name, i), Average,
-                                                  inplace=True) for i, g in enumerate(groups)]
-            out, error = [], None
-            for h in handles:
-                try:
-                    out += synchronize(h)
-                except NonFiniteGradientError as e:
-                    error = error or e
-            if error is not None:
-                raise error
-            return out
+            return [compressed_allreduce_async(g, comp, name if len(groups) == 1 else "%s.%d" % (name, i), Average,
+                                               inplace=True) for i, g in enumerate(groups)], None
         pairs = [comp.compress(d) for d in deltas]
         # gradients=True: a NaN/Inf on any rank refuses the exchange on every rank (as the
         # sparse and THC exchanges do), unless STELLA_NONFINITE=off
-        out = synchronize(allreduce_tensors_async([c.contiguous() for c, _ in pairs], new_outputs, name, Average,
-                                                  1.0, 1.0, global_process_set, "grouped_allreduce", gradients=True))
-        return [comp.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
-    return exchange
+        handle = allreduce_tensors_async([c.contiguous() for c, _ in pairs], new_outputs, name, Average, 1.0, 1.0,
+                                         global_process_set, "grouped_allreduce", gradients=True)
+        return [handle], [ctx for _, ctx in pairs]
+
+    def wait(self, pending):
+        """The mean pseudo-gradients of the exchange ``pending`` (collective: every rank waits
+        for it). NonFiniteGradientError, on every rank alike, when some rank's was not finite."""
+        handles, contexts = pending
+        out, error = [], None
+        for h in handles:
+            try:
+                out += synchronize(h)
+            except NonFiniteGradientError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        if contexts is None:
+            return out
+        return [self.comp.decompress(o, ctx) for o, ctx in zip(out, contexts)]
+
+    def drop(self, pending):
+        """Complete the exchange ``pending`` and forget its result (a checkpoint being loaded
+        replaces what it would have applied). Every rank launched it, so every rank's wait ends."""
+        for h in pending[0]:
+            try:
+                synchronize(h)
+            except NonFiniteGradientError:
+                pass
+
+
+def pseudo_gradient_exchange(comp, name):
+    """The :class:`PseudoGradientExchange` of local steps' pseudo-gradients through ``comp``,
+    its collectives named ``name``."""
+    return PseudoGradientExchange(comp, name)
 
 
 def nonfinite_state_dropper(opt):
@@ -522,8 +562,7 @@ class ModeSwitch:
             self.local.check(saved)
 
         def take():
-            if self.local.channel is not None:
-                self.local.channel.drop()
+            self.local.drop_in_flight()
             if saved is not None:
                 self.local.load_state_dict(saved)
             self._take_mode(mode, estimate)
@@ -541,8 +580,7 @@ class ModeSwitch:
     def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a
         checkpoint loaded on the root alone may have changed its mode)."""
-        if self.local.channel is not None:
-            self.local.channel.drop()
+        self.local.drop_in_flight()
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,

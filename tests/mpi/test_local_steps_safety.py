@@ -1,7 +1,7 @@
 """Local steps agree or refuse (two clusters or more):
 
 * settings that must match (every, overlap, the outer optimizer and its parameters, the
-  pseudo-gradient's compression, local steps on or off) are compared when the optimizer is
+  pseudo-gradient's compression, the fragments and their delay, local steps on or off) are compared when the optimizer is
   built: a mismatch raises on every rank, naming each rank's value;
 * a skipped step does not move a cluster's period count (GradScaler's pattern: a step whose
   gradient held an Inf never reaches ``step()``), so the clusters still meet at the same steps;
@@ -71,6 +71,8 @@ MISMATCHES = {
     "compression": (lambda: dict(every=4, compression=hvd.Compression.thc(bits=_by_cluster(4, 2))),
                     "local_steps.compression"),
     "on_some_ranks": (lambda: None if hvd.rank() == hvd.size() - 1 else dict(every=4), "local_steps"),
+    "fragments": (lambda: dict(every=4, fragments=_by_cluster(1, 2)), "local_steps.fragments"),
+    "delay": (lambda: dict(every=4, fragments=2, delay=_by_cluster(0, 1)), "local_steps.fragments"),
 }
 
 

@@ -135,3 +135,17 @@ def test_an_unknown_wan_route_is_refused_when_the_package_is_imported():
                           cwd=ROOT, env=dict(os.environ, STELLA_WAN_ROUTE="fast"))
     assert proc.returncode != 0
     assert "STELLA_WAN_ROUTE='fast': use 'auto' or 'dense'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_fragments_are_refused_where_they_need_the_model_or_a_fixed_h():
+    assert ("LocalSteps(fragments=5)): the optimizer has 4 trainable parameters and a fragment holds at least one "
+            "whole parameter; pass fragments <= 4") in refused(local_steps=hvd.LocalSteps(every=5, fragments=5))
+    modes = hvd.Adjuster(modes=("sync", "local"))
+    for ls, got in ((hvd.LocalSteps(every=4, fragments=2), "fragments=2, delay=0"),
+                    (hvd.LocalSteps(every=4, delay=1), "fragments=1, delay=1")):
+        assert "pass LocalSteps(fragments=1, delay=0) (got %s), or leave modes out" % got in refused(
+            clusters=2, compression=hvd.Compression.topk(0.01), local_steps=ls, adjuster=modes)
+    for ls in (hvd.LocalSteps(every=4, fragments=4, delay=0), hvd.LocalSteps(every=4, fragments=2, delay=1, mix=0.5),
+               hvd.LocalSteps(every=4, fragments=2, fragment_groups=[["0.weight", "2.bias"], ["0.bias", "2.weight"]])):
+        s, opt = spec(clusters=2, local_steps=ls)
+        refuse(s, opt)
