@@ -75,6 +75,11 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
                                 "--feedback-decay", "0.95", "--local-steps", "8"],
     "diloco8+sparseloco3": ["--compression", "sparseloco", "--density", "0.03", "--bits", "2", "--local-steps", "8",
                             "--outer", "nesterov"],
+    "local8+f4": ["--compression", "none", "--local-steps", "8", "--fragments", "4"],
+    "local8+f4+delay1": ["--compression", "none", "--local-steps", "8", "--fragments", "4", "--fragment-delay", "1"],
+    "local8+f4+delay1+sparseloco1:ef95": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
+                                          "--feedback-decay", "0.95", "--local-steps", "8", "--fragments", "4",
+                                          "--fragment-delay", "1"],
     "diloco8+dct1": ["--compression", "dct", "--density", "0.01", "--chunk", "1024", "--bits", "2", "--local-steps",
                      "8", "--outer", "nesterov"],
     # the CPU engine: its defaults (staleness 1, 150 synchronous steps first, stale prediction) with

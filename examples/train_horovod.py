@@ -63,6 +63,10 @@ def main():
                              "(through --compression)")
     parser.add_argument("--outer", choices=["average", "nesterov"], default="average",
                         help="--local-steps: model averaging or DiLoCo's outer Nesterov")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="--local-steps: Streaming DiLoCo's fragments, exchanged in turn (H a multiple of it)")
+    parser.add_argument("--fragment-delay", type=int, default=0,
+                        help="--local-steps: inner steps a fragment's exchange is in flight before it is applied")
     parser.add_argument("--local-clip", type=float, default=None,
                         help="(deprecated, no gain measured) DGC's local gradient clipping to norm C / sqrt(size)")
     parser.add_argument("--time-budget", type=float, default=0.0,
@@ -125,7 +129,9 @@ def main():
     elif args.local_steps:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression,
-                                             local_steps=hvd.LocalSteps(every=args.local_steps, outer=args.outer))
+                                             local_steps=hvd.LocalSteps(every=args.local_steps, outer=args.outer,
+                                                                        fragments=args.fragments,
+                                                                        delay=args.fragment_delay))
     else:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, **deprecated)
