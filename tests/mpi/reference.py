@@ -85,3 +85,33 @@ def nonfinite_policy(name):
     finally:
         rt.config = old
 
+
+
+def error_feedback_balance(comp, key, n, seeds, back=None):
+    """Reduce one rank-seeded input per seed in ``seeds`` through ``comp`` (op Sum, every rank checked to get
+    the same bits) and return (delivered, held back in the residuals, fed in), float64, over
+    all ranks. ``back`` takes a residual to the entries' domain (a compressor that keeps it in
+    another, as the DCT's coefficients)."""
+    from stella_mpi.comm.buffers import split_counts
+    from stella_mpi.core import state
+    topo = hvd.global_process_set.topology
+    delivered = torch.zeros(n, dtype=torch.float64)
+    fed = torch.zeros(n, dtype=torch.float64)
+    for s, seed in enumerate(seeds):
+        inputs = [rank_input(r, (n,), torch.float32, seed=seed) for r in range(hvd.size())]
+        fed += sum(x.double() for x in inputs)
+        out = hvd.allreduce(inputs[hvd.rank()], compression=comp, name=key, op=hvd.Sum)
+        everyone = hvd.allgather(out.unsqueeze(0), name=key + ".check")
+        assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size())), (key, s)
+        delivered += out.double()
+    back = back or (lambda r: r)
+    residual = torch.zeros(n, dtype=torch.float64)
+    if topo.num_clusters > 1:
+        mem = state.current().sparse_memory
+        if topo.uniform_clusters:
+            counts = split_counts(n, topo.cluster_size)
+            start = sum(counts[:topo.cluster_rank])
+            residual[start:start + counts[topo.cluster_rank]] = back(mem.get("%s#shard%d" % (key, topo.cluster_rank))).double()
+        elif topo.cluster_rank == 0:
+            residual += back(mem.get(key)).double()
+    return delivered, hvd.allreduce(residual, op=hvd.Sum, name=key + ".residuals"), fed

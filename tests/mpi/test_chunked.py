@@ -9,8 +9,7 @@ import stella_mpi as hvd
 from stella_mpi.comm.buffers import split_counts
 from stella_mpi.compression import TensorContext, merge_selections
 from stella_mpi.compression.dct import inverse_
-from stella_mpi.core import state
-from reference import rank_input, small_model, rank_batch
+from reference import error_feedback_balance, rank_batch, rank_input, small_model
 
 COMPRESSORS = {
     "sparseloco2": lambda: hvd.Compression.sparseloco(density=0.05, chunk=64, bits=2),
@@ -68,26 +67,8 @@ def test_error_feedback_balances_and_every_rank_gets_the_same_bits(name):
     topo = hvd.global_process_set.topology
     n, steps, key = 4099, 4, "chunked.ef.%s" % name
     comp = COMPRESSORS[name]()
-    delivered = torch.zeros(n, dtype=torch.float64)
-    fed = torch.zeros(n, dtype=torch.float64)
-    for s in range(steps):
-        inputs = [rank_input(r, (n,), torch.float32, seed=300 + s) for r in range(hvd.size())]
-        fed += sum(x.double() for x in inputs)
-        out = hvd.allreduce(inputs[hvd.rank()], compression=comp, name=key, op=hvd.Sum)
-        everyone = hvd.allgather(out.unsqueeze(0), name=key + ".check")
-        assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size())), (name, s)
-        delivered += out.double()
-    residual = torch.zeros(n, dtype=torch.float64)
-    if topo.num_clusters > 1:
-        mem = state.current().sparse_memory
-        back = (lambda r: inverse_(r.clone(), comp.chunk)) if comp.name == "dct" else (lambda r: r)
-        if topo.uniform_clusters:
-            counts = split_counts(n, topo.cluster_size)
-            start = sum(counts[:topo.cluster_rank])
-            residual[start:start + counts[topo.cluster_rank]] = back(mem.get("%s#shard%d" % (key, topo.cluster_rank))).double()
-        elif topo.cluster_rank == 0:
-            residual += back(mem.get(key)).double()
-    residual = hvd.allreduce(residual, op=hvd.Sum, name=key + ".residuals")
+    back = (lambda r: inverse_(r.clone(), comp.chunk)) if comp.name == "dct" else None
+    delivered, residual, fed = error_feedback_balance(comp, key, n, [300 + s for s in range(steps)], back)
     torch.testing.assert_close(delivered + residual, fed, rtol=1e-4, atol=1e-3)
     if topo.num_clusters > 1:
         assert residual.abs().sum() > 0

@@ -10,7 +10,7 @@ from stella_mpi.core import state
 from stella_mpi.compression import TensorContext
 from stella_mpi.compression import merge_selections
 from stella_mpi.comm.buffers import split_counts
-from reference import rank_input
+from reference import error_feedback_balance, rank_input
 
 
 def _tree(payload_bytes):
@@ -124,26 +124,7 @@ def test_error_feedback_conserves_the_gradient(name):
     n, steps, key = 20011, 4, "ef.%s" % name
     kind, _, dtype = name.partition(":")
     comp = _compressor(kind, density=0.02, value_dtype=dtype or "float32")
-    delivered = torch.zeros(n, dtype=torch.float64)
-    fed = torch.zeros(n, dtype=torch.float64)
-    for s in range(steps):
-        inputs = [rank_input(r, (n,), torch.float32, seed=100 * s + 7) for r in range(hvd.size())]
-        fed += sum(x.double() for x in inputs)
-        out = hvd.allreduce(inputs[hvd.rank()], compression=comp, name=key, op=hvd.Sum)
-        everyone = hvd.allgather(out.unsqueeze(0), name=key + ".check")
-        assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size())), (name, s)
-        delivered += out.double()
-    residual = torch.zeros(n, dtype=torch.float64)
-    if topo.num_clusters > 1:
-        mem = state.current().sparse_memory
-        if topo.uniform_clusters:
-            counts = split_counts(n, topo.cluster_size)
-            start = sum(counts[:topo.cluster_rank])
-            r = mem.get("%s#shard%d" % (key, topo.cluster_rank))
-            residual[start:start + counts[topo.cluster_rank]] = r.double()
-        elif topo.cluster_rank == 0:
-            residual += mem.get(key).double()
-    residual = hvd.allreduce(residual, op=hvd.Sum, name=key + ".residuals")
+    delivered, residual, fed = error_feedback_balance(comp, key, n, [100 * s + 7 for s in range(steps)])
     tol = 1e-4 if not dtype else 1e-2   # (16-bit sums of 16-bit values round along the way)
     torch.testing.assert_close(delivered + residual, fed, rtol=tol, atol=10 * tol)
     if topo.num_clusters > 1:
