@@ -23,7 +23,11 @@ with its defaults), and torchft's DiLoCo and Streaming DiLoCo ("torchft-diloco8"
 "torchft-streaming8": bench/torchft_peer.py; bench/requirements.txt says how to install torchft).
 The sparse modes use --compressor (cache-aware by default) with its defaults (error feedback,
 momentum correction, warm-up; --plain-sparse: without the last two). --preset 13 (the default)
-runs issue 13's set, --preset 14 issue 14's, --preset 30 issue 30's: the automatic route against
+runs issue 13's set, --preset 14 issue 14's, --preset 31 issue 31's (the outer syncs: fragments, SparseLoCo's
+pseudo-gradients, against torchft's DiLoCo and Streaming DiLoCo each over a small grid of H and outer
+step, DDP and post-local SGD; with "limit", the same ranks as one cluster with no link limit, dense, and
+"compute", each rank alone: each mode's WAN penalty, its time to the limit's final loss over the
+limit's, and its utilisation, the compute-only step time over its step time), --preset 30 issue 30's: the automatic route against
 every hand-picked stella route and every peer; it also reports, per rate, the time the automatic
 route takes to the best peer's final loss over the best hand-picked route's (target <= 1.1) and
 the best peer's time over the automatic route's (target >= 1.5), and writes one JSON and one PNG
@@ -84,20 +88,49 @@ MODES = {
     # outer Nesterov lr 0.7, momentum 0.9
     "torchft-diloco8": ["--mode", "torchft-diloco:8"],
     "torchft-streaming8": ["--mode", "torchft-streaming:8:2", "--fragment-sync-delay", "3"],
+    # issue 31: the peers' small grid (H 8 or 32; outer Nesterov 0.7/0.9 or model averaging, lr 1 without
+    # momentum), Streaming DiLoCo with 4 fragments at H=32 (one every 8 steps, 3 steps of overlap)
+    "torchft-diloco8:avg": ["--mode", "torchft-diloco:8", "--outer-lr", "1.0", "--outer-momentum", "0",
+                            "--no-nesterov"],
+    "torchft-diloco32": ["--mode", "torchft-diloco:32"],
+    "torchft-diloco32:avg": ["--mode", "torchft-diloco:32", "--outer-lr", "1.0", "--outer-momentum", "0",
+                             "--no-nesterov"],
+    "torchft-streaming8:avg": ["--mode", "torchft-streaming:8:2", "--fragment-sync-delay", "3", "--outer-lr", "1.0",
+                               "--outer-momentum", "0", "--no-nesterov"],
+    "torchft-streaming32": ["--mode", "torchft-streaming:32:4", "--fragment-sync-delay", "3"],
+    "torchft-streaming32:avg": ["--mode", "torchft-streaming:32:4", "--fragment-sync-delay", "3", "--outer-lr", "1.0",
+                                "--outer-momentum", "0", "--no-nesterov"],
+    # issue 31's stella modes: SparseLoCo's recipe (1 %, 2 bits, decay 0.95, outer average), and
+    # fragments (4 per period, each exchange in flight for one step) with THC or SparseLoCo
+    "local8+sparseloco": ["--mode", "local:8:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay",
+                          "0.95"],
+    "local8+f4+thc": ["--mode", "local:8:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "1"],
+    "local32+f4+sparseloco": ["--mode", "local:32:sparseloco", "--density", "0.01", "--bits", "2",
+                              "--feedback-decay", "0.95", "--fragments", "4", "--fragment-delay", "1"],
+    # the limit (issue 31): the same 4 ranks as one cluster, no link limit, dense; and each rank
+    # training alone with no exchange at all (the compute-only step time of the utilisation)
+    "limit": ["--mode", "dense"],
+    "compute": ["--mode", "compute"],
 }
-TORCHFT = ("torchft-diloco8", "torchft-streaming8")
+TORCHFT = ("torchft-diloco8", "torchft-streaming8", "torchft-diloco8:avg", "torchft-diloco32", "torchft-diloco32:avg",
+           "torchft-streaming8:avg", "torchft-streaming32", "torchft-streaming32:avg")
+NO_WAN = ("limit", "compute")   # run once, on loopback with one cluster, whatever the rates
 PRESETS = {   # issue 13: densities and the adjuster; issue 14: low-communication modes and torch's peers;
     # issue 30: the untouched script's automatic route, each hand-picked stella route, torch's and torchft's peers
     "13": ("ddp", "dense") + FIXED + ("adapt",),
     "14": ("ddp", "powersgd", "postlocal8", "d0.01", "adapt", "local8", "diloco8", "local8+sparse", "thc4",
            "local8+thc"),
     "30": ("auto", "dense", "d0.01", "d0.1", "thc4", "local8+thc", "localadapt+thc", "cpu1", "ddp", "powersgd",
-           "postlocal8") + TORCHFT,
+           "postlocal8") + TORCHFT[:2],
+    # issue 31: the outer syncs against torchft's peers (their grid), DDP and post-local SGD, with the limit
+    "31": ("local8", "local8+thc", "localadapt+thc", "local8+sparseloco", "local8+f4+thc", "local32+f4+sparseloco",
+           "ddp", "postlocal8") + TORCHFT + NO_WAN,
 }
 TORCH_PEERS = ("ddp", "powersgd", "postlocal8") + TORCHFT
 HAND_PICKED = ("dense",) + FIXED + ("d0.01+singles", "adapt", "adapt+thc", "local8", "diloco8", "local8+sparse", "thc4",
                                     "thc2", "local8+thc", "diloco8+thc", "local8+overlap", "diloco8+overlap", "localadapt",
-                                    "localadapt+overlap", "localadapt+thc", "switch", "cpu1")
+                                    "localadapt+overlap", "localadapt+thc", "switch", "cpu1", "local8+sparseloco",
+                                    "local8+f4+thc", "local32+f4+sparseloco")
 STELLA_SPARSE = {"d0.001", "d0.01", "d0.1", "d0.01+singles", "adapt", "adapt+thc", "local8+sparse", "switch"}
 
 
@@ -111,10 +144,11 @@ def run_one(rate, mode, args, tmp):
         print("  %s %s ... skipped: torchft is not installed (bench/requirements.txt says how)" % (rate, mode))
         return {"error": "torchft is not installed"}
     script = "torchft_peer.py" if mode in TORCHFT else "e2e_train.py"
-    cmd = [stellarun, "-np", "4", "--clusters", "2", "--wan", rate, "--timeout", "600", sys.executable,
-           os.path.join(HERE, script), "--workload", "lm", "--hidden", str(args.hidden), "--lr", str(args.lr),
-           "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds", str(args.eval_seconds),
-           "--out", out] + how
+    layout = ["--clusters", "1"] if mode in NO_WAN else ["--clusters", "2", "--wan", rate]
+    cmd = [stellarun, "-np", "4"] + layout + [
+        "--timeout", "600", sys.executable, os.path.join(HERE, script), "--workload", "lm", "--hidden", str(args.hidden),
+        "--lr", str(args.lr), "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds",
+        str(args.eval_seconds), "--out", out] + how
     if args.plain_sparse and mode in STELLA_SPARSE:
         cmd.append("--plain-sparse")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
@@ -169,7 +203,7 @@ def summarize(runs, target_loss):
     """Per rate: the target and each mode's time to it, step time, WAN bytes and ratios."""
     table = {}
     for rate, modes in runs.items():
-        finals = [r["validation_loss"] for r in modes.values() if "error" not in r]
+        finals = [r["validation_loss"] for m, r in modes.items() if "error" not in r and m not in NO_WAN]
         if not finals:
             table[rate] = {"target_loss": None, "best_fixed_s": None, "modes": {m: {"error": True} for m in modes}}
             continue
@@ -194,6 +228,8 @@ def summarize(runs, target_loss):
             row["vs_ddp"] = (ddp / t) if (t and ddp) else None             # > 1: sooner than DDP
             row["vs_best_fixed"] = (t / best_fixed) if (t and best_fixed) else None   # <= 1: no later
         table[rate] = {"target_loss": target, "best_fixed_s": best_fixed, "modes": rows}
+        _against_the_limit(modes, rows, table[rate])
+        _against_torchft(modes, rows, table[rate])
         # issue 14's yardstick: the best torch peer's final loss, and how much sooner each stella
         # mode reaches it than that peer first did
         peers = [m for m in TORCH_PEERS if m in rows and not rows[m].get("error")]
@@ -218,6 +254,46 @@ def summarize(runs, target_loss):
                                             "auto_over_best_hand_picked": t_auto / t_best if t_auto else None,
                                             "peer_over_auto": t_peer / t_auto if (t_auto and t_peer) else None}
     return table
+
+
+def _against_the_limit(modes, rows, out):
+    """Issue 31's yardsticks against the limit (the same ranks as one cluster, dense, no link):
+    each mode's WAN penalty (its time to the limit's final loss over the limit's own) and its
+    compute utilisation (the compute-only step time, each rank alone, over its step time)."""
+    limit, compute = modes.get("limit"), modes.get("compute")
+    if limit and "error" not in limit:
+        loss = limit["validation_loss"]
+        t_limit = time_to(limit["curve"], loss)
+        out["limit"] = {"final_loss": loss, "time_s": t_limit}
+        for mode, row in rows.items():
+            if not row.get("error"):
+                t = time_to(modes[mode]["curve"], loss)
+                row["to_limit_loss_s"] = t
+                row["wan_penalty"] = t / t_limit if (t and t_limit) else None
+    if compute and "error" not in compute:
+        alone = statistics.median(r["step_s"] for r in compute["records"][1:])
+        out["compute_step_s"] = alone
+        for row in rows.values():
+            if not row.get("error"):
+                row["utilisation"] = alone / (row["ms_per_step"] / 1000.0)
+
+
+def _against_torchft(modes, rows, out):
+    """The best torchft mode (lowest final loss), and how much sooner each stella mode reaches
+    that loss than the torchft mode itself first did (issue 31's target: >= 1.5)."""
+    ft = [m for m in TORCHFT if m in rows and not rows[m].get("error")]
+    if not ft:
+        return
+    best = min(ft, key=lambda m: rows[m]["final_loss"])
+    loss = rows[best]["final_loss"]
+    t_best = time_to(modes[best]["curve"], loss)
+    out["best_torchft"] = {"mode": best, "final_loss": loss, "time_s": t_best}
+    for mode, row in rows.items():
+        if mode in TORCH_PEERS or mode in NO_WAN or row.get("error"):
+            continue
+        t = time_to(modes[mode]["curve"], loss)
+        row["to_torchft_loss_s"] = t
+        row["torchft_time_over_this"] = t_best / t if (t and t_best) else None
 
 
 def print_table(table, seconds):
@@ -250,6 +326,20 @@ def print_table(table, seconds):
                     print("  %-14s %12s %s" % (mode, "%.1f s" % tt if tt is not None else "not reached",
                                                "(%.1fx sooner)" % row["peer_time_over_this"]
                                                if row["peer_time_over_this"] else ""))
+        ft = t.get("best_torchft")
+        if ft:
+            print("best torchft mode: %s, final loss %.4f (first reached at %s)" % (
+                ft["mode"], ft["final_loss"], "%.1f s" % ft["time_s"] if ft["time_s"] else "-"))
+        if "limit" in t or "compute_step_s" in t:
+            print("%-24s %14s %12s %12s %12s" % ("mode", "to torchft's", "torchft/this", "WAN penalty", "utilisation"))
+            for mode, row in t["modes"].items():
+                if row.get("error") or mode in NO_WAN:
+                    continue
+                print("%-24s %14s %12s %12s %12s" % (
+                    mode, "%.1f s" % row["to_torchft_loss_s"] if row.get("to_torchft_loss_s") else "-",
+                    "%.2fx" % row["torchft_time_over_this"] if row.get("torchft_time_over_this") else "-",
+                    "%.2f" % row["wan_penalty"] if row.get("wan_penalty") else "not reached",
+                    "%.0f %%" % (100 * row["utilisation"]) if row.get("utilisation") else "-"))
         auto = t.get("automatic")
         if auto:
             print("automatic route: %s to the best peer's final loss; best hand-picked stella route %s: %.1f s "
@@ -329,6 +419,10 @@ def main():
             for mode in args.modes or PRESETS[args.preset]:
                 if mode in done:
                     print("  %s %s ... kept from %s" % (rate, mode, partial))
+                    continue
+                ran = next((runs[r][mode] for r in args.rates if r != rate and mode in runs.get(r, {})), None)
+                if mode in NO_WAN and ran is not None and "error" not in ran:   # once, whatever the rate
+                    done[mode] = ran
                     continue
                 progress.start("%s %s" % (rate, mode))
                 done[mode] = run_one(rate, mode, args, tmp)

@@ -137,6 +137,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--overlap", action="store_true", help="local:H / diloco:H / localadapt: LocalSteps(overlap=True)")
+    p.add_argument("--fragments", type=int, default=1, help="local:H / diloco:H: Streaming DiLoCo's fragments")
+    p.add_argument("--fragment-delay", type=int, default=0, help="local:H / diloco:H: LocalSteps(delay=...)")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
     p.add_argument("--singles", type=float, default=None,
                    help="the cacheaware compressor's share of bytes for single entries beside its blocks (default: "
@@ -194,7 +196,7 @@ def main():
         if kind in ("local", "diloco"):   # local:H[:compressor]: model averaging or DiLoCo's outer Nesterov
             every, _, comp_name = comp_name.partition(":")
             local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov",
-                                         overlap=args.overlap)
+                                         overlap=args.overlap, fragments=args.fragments, delay=args.fragment_delay)
         adjuster = None
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
             local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)
