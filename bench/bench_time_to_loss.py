@@ -239,7 +239,7 @@ def summarize(runs, target_loss):
             t_peer = time_to(modes[peer]["curve"], loss)
             table[rate]["best_peer"] = {"mode": peer, "final_loss": loss, "time_s": t_peer}
             for mode, row in rows.items():
-                if mode in TORCH_PEERS or row.get("error"):
+                if mode in TORCH_PEERS or mode in NO_WAN or row.get("error"):
                     continue
                 t = time_to(modes[mode]["curve"], loss)
                 row["to_peer_loss_s"] = t
