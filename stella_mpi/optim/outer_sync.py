@@ -106,6 +106,7 @@ from .fragments import Fragment, InFlight, as_exchange, plan_fragments
 
 log = logging.getLogger("stella_mpi")
 OUTER_PRESETS = ("average", "nesterov")
+PACES = ("steps", "time")
 
 __all__ = ["LocalSteps", "NoOuterSync", "LocalStepsSync", "OUTER_PRESETS"]
 
@@ -137,6 +138,11 @@ class LocalSteps:
         its fragment (0: the clusters' result, the ``delay`` steps since the launch dropped).
     fragment_groups: instead of the balanced cut, F lists of parameter names (as the optimizer
         knows them: ``named_parameters``) that cover every trainable parameter exactly once.
+    pace: "steps" (every cluster takes ``every`` steps per period) or "time": clusters of
+        unequal speed; after the first period (``every`` steps everywhere) a period lasts as
+        long as the fastest cluster takes for ``every`` steps, each cluster takes as many steps
+        as fit in it, and the outer mean is weighted by the samples each rank trained on (its
+        steps), so a slow cluster never idles a fast one. Not with fragments, a delay or overlap.
 
     With fragments or a delay the adjuster does not choose H (it stays ``every``), an outer
     optimizer instance is refused for F > 1 (a callable is called once per fragment), and
@@ -152,6 +158,7 @@ class LocalSteps:
     delay: int = 0
     mix: float = 0.0
     fragment_groups: object = None
+    pace: str = "steps"
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -171,6 +178,13 @@ class LocalSteps:
         if self.compression is not None and not callable(getattr(self.compression, "compress", None)):
             raise ValueError("LocalSteps: compression must be an hvd.Compression, got %r" % (self.compression,))
         self._check_fragments()
+        if self.pace not in PACES:
+            raise ValueError("LocalSteps: pace must be one of %s (a period of 'every' steps on every cluster, or of "
+                             "the time the fastest cluster takes for them), got %r" % (", ".join(PACES), self.pace))
+        if self.pace == "time" and (self.fragments > 1 or self.delay or self.overlap):
+            raise ValueError("LocalSteps(pace='time', fragments=%d, delay=%d, overlap=%s): a period of the fastest "
+                             "cluster's time needs every exchange taken at once and whole; pass fragments=1, delay=0, "
+                             "overlap=False, or pace='steps'" % (self.fragments, self.delay, self.overlap))
 
     def _check_fragments(self):
         """fragments, delay, mix and fragment_groups, alone and with the other settings."""
@@ -306,8 +320,14 @@ class LocalStepsSync:
     kind = "local"
 
     def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0,
-                 drop_nonfinite_state=None):
+                 drop_nonfinite_state=None, cluster_any=None, clock=time.perf_counter):
         self.settings = settings
+        self.clock = clock           # seconds (tests give each simulated cluster its own)
+        # pace "time": the common period in seconds (None: the first, ``every`` steps everywhere), and
+        # cluster_any(flag): whether any rank of this cluster says the period is over (collective inside it)
+        self.paced = settings.pace == "time"
+        self.period_s = None
+        self.cluster_any = cluster_any or (lambda flag: flag)
         self.drop_nonfinite_state = drop_nonfinite_state   # () -> names whose inner state was dropped
         self.named = list(named)
         self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
@@ -377,16 +397,25 @@ class LocalStepsSync:
         p.local_steps += 1
         if self.channel is not None:    # (also drives MPI's progress on the exchange in flight)
             self.channel.poll()
-        if p.local_steps >= p.every:
+        if self._period_over():
             self.due = True
             if skipped:
                 self._boundary(skipped=True)
+
+    def _period_over(self):
+        """``every`` steps; with pace "time" and a period measured, the step that ends nearest the
+        period's end (its cluster's ranks agree: any of them)."""
+        p = self.progress
+        if not self.paced or self.period_s is None or self._period_start is None:
+            return p.local_steps >= p.every
+        elapsed = self.clock() - self._period_start
+        return self.cluster_any(elapsed + 0.5 * elapsed / p.local_steps >= self.period_s)
 
     def before_step(self):
         if not self.anchor:
             self.capture()                  # the broadcast parameters, before the first update
         if self._period_start is None:      # the first period (after a load): timed from here, not whole
-            self._period_start, self._timed = time.perf_counter(), False
+            self._period_start, self._timed = self.clock(), False
 
     def after_step(self):
         """After the user's update: the exchange, when this step ended a period. Returns the
@@ -404,7 +433,7 @@ class LocalStepsSync:
             self._streaming_boundary()
             return None
         p = self.progress
-        started = time.perf_counter()
+        started = self.clock()
         compute_s = (started - self._period_start) / max(1, p.local_steps)
         if self.channel is not None:
             self.channel.last = None
@@ -413,12 +442,12 @@ class LocalStepsSync:
                 return None
             last = self.channel.last   # None at the first boundary: nothing was in flight
             exposed = max(0.0, last[1] - started) if last else 0.0   # the wait for the wire
-            return self._choose_every(compute_s, time.perf_counter() - started - exposed,
+            return self._choose_every(compute_s, self.clock() - started - exposed,
                                       last[1] - last[0] if last else None, skipped)
         self.outer_step()
         if self.rule is None:
             return None
-        return self._choose_every(compute_s, time.perf_counter() - started, skipped=skipped)
+        return self._choose_every(compute_s, self.clock() - started, skipped=skipped)
 
     def capture(self):
         self.anchor = {n: p.detach().clone() for n, p in self.named}
@@ -433,6 +462,7 @@ class LocalStepsSync:
         self.due, self._launch_due = False, None
         if self.rule is not None:
             self.rule.restart(every)
+        self.period_s = None   # (pace "time": the next period is measured again)
         for outer in self.outers:
             outer.state.clear()
         self._period_start = None
@@ -476,14 +506,31 @@ class LocalStepsSync:
         result weighed with the parameters by ``mix``, by default the settings'). A
         pseudo-gradient that is not finite on some rank is refused on every rank
         (:meth:`_refused`)."""
-        self.progress.local_steps = 0
+        steps, self.progress.local_steps = self.progress.local_steps, 0
+        deltas = self.deltas()
+        if self.paced:
+            deltas = self._weighted(deltas, steps)
         try:
-            avgs = self.exchange(self.deltas())
+            avgs = self.exchange(deltas)
         except NonFiniteGradientError as e:
             self._refused(str(e))
         else:
             self._outer_apply(avgs, mix=self.settings.mix if mix is None else mix)
-            self._period_start = time.perf_counter()
+            self._period_start = self.clock()
+
+    def _weighted(self, deltas, steps):
+        """Pace "time": each rank's pseudo-gradient weighted by the samples it trained on (its
+        steps), so that the exchange's mean over ranks is the sample-weighted mean; and the next
+        period: ``every`` steps of the fastest cluster. One all-gather of every rank's (steps,
+        microseconds of its period); every rank decides from the same rows."""
+        elapsed = self.clock() - self._period_start if self._period_start is not None else 0.0
+        rows = self.gather(torch.tensor([[steps, round(1e6 * elapsed)]], dtype=torch.int64)).tolist()
+        total = sum(r[0] for r in rows)
+        paces = [1e-6 * r[1] / r[0] for r in rows if r[0] > 0 and r[1] > 0]
+        if paces:
+            self.period_s = self.progress.every * min(paces)
+        weight = steps * len(rows) / total if total else 1.0
+        return deltas if weight == 1.0 else [d * weight for d in deltas]
 
     def _refused(self, why, fragment=None):
         """An exchange that some rank's non-finite pseudo-gradient refused, decided alike on every
@@ -679,12 +726,12 @@ class LocalStepsSync:
         gather's time. A period not timed from its start on some rank (the first one, or after a
         load), whose last step some rank skipped, or with nothing in flight, decides nothing.
         Returns the times decided from, or None."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         measured = self._timed and not skipped and (wire_s is not None or self.channel is None)
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
                               round(1e6 * (wire_s or 0.0)), self.cluster_id, int(measured)]], dtype=torch.int64)
         rows = self.gather(mine)
-        self._gather_s = time.perf_counter() - t0
+        self._gather_s = self.clock() - t0
         self.measured = None
         if bool((rows[:, 4] == 1).all()):
             p = self.progress
@@ -697,7 +744,7 @@ class LocalStepsSync:
             if every != p.every:
                 log.info("stella_mpi: local steps H %d -> %d (%s)", p.every, every, reason)
             p.every, self.reason = every, reason
-        self._period_start, self._timed = time.perf_counter(), True
+        self._period_start, self._timed = self.clock(), True
         return self.measured
 
     # ---------------- checkpoints
@@ -709,6 +756,8 @@ class LocalStepsSync:
         p = self.progress
         sd = {"every": p.every, "local_steps": p.local_steps, "exchanges": p.exchanges,
               "anchor": {n: t.clone() for n, t in self.anchor.items()}}
+        if self.paced:
+            sd["period_s"] = self.period_s
         if len(self.fragments) == 1:   # (the layout of the release before fragments)
             sd["outer"] = self.fragments[0].outer.state_dict()
             return sd
@@ -778,6 +827,8 @@ class LocalStepsSync:
             p.local_steps %= p.every
         self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
         self._load_outer(sd, params)
+        if self.paced:
+            self.period_s = sd.get("period_s")
         self._period_start = None
         self.in_sync = False
         self.due, self._launch_due = False, None

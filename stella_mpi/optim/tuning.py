@@ -40,12 +40,12 @@ from ..adjust.mode_rule import ModeRule
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
-from ..api.allreduce import (allreduce_tensors_async, compressed_allreduce_async, grouped_allreduce_async,
-                             new_outputs)
+from ..api.allreduce import (allreduce_async, allreduce_tensors_async, compressed_allreduce_async,
+                             grouped_allreduce_async, new_outputs)
 from ..api.functions import broadcast_object
 from ..api.handles import synchronize
 from ..api.queries import rank
-from ..api.reduce_ops import Average
+from ..api.reduce_ops import Average, Max
 from ..base import timeline
 from ..base.errors import NonFiniteGradientError
 from ..comm.hierarchy import allreduce_bytes
@@ -226,7 +226,23 @@ def local_steps_sync(opt, settings, pseudo, rule=None):
                           channel=OuterChannel(name) if settings.overlap else None, rule=rule,
                           gather=lambda row: allgather(row, name=name + ".times"),
                           cluster_id=global_process_set.topology.cluster_id,
-                          drop_nonfinite_state=nonfinite_state_dropper(opt))
+                          drop_nonfinite_state=nonfinite_state_dropper(opt),
+                          cluster_any=cluster_any(name) if settings.pace == "time" else None)
+
+
+def cluster_any(name):
+    """flag -> whether any rank of this rank's cluster passed True (one small MAX allreduce
+    inside the cluster; every rank of it calls it at the same step): pace "time"'s end of a
+    period, agreed inside each cluster."""
+    topo = global_process_set.topology
+    if topo.cluster_size == 1:
+        return lambda flag: bool(flag)
+    pset = cluster_process_set()
+
+    def any_(flag):
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return bool(synchronize(allreduce_async(t, op=Max, name=name + ".period_over", process_set=pset))[0])
+    return any_
 
 
 def payload_per_entry(comp, nclusters):

@@ -120,3 +120,38 @@ def test_every_fragments_state_travels_with_the_optimizers_state():
         other.load_state_dict(opt.state_dict())
     opt.sync_clusters()
     assert _same_everywhere(model)
+
+
+def test_pace_time_a_slow_cluster_takes_fewer_steps_and_the_clusters_meet():
+    """LocalSteps(every=4, pace="time") with cluster 1's steps 30 ms slower: after the first
+    period (4 steps everywhere) cluster 1 takes fewer steps per period than cluster 0; the
+    ranks of a cluster agree on when their period ends (or the cluster's reductions would not
+    match); after sync_clusters() every rank holds the same parameters."""
+    import time
+    torch.manual_seed(0)
+    model = small_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   local_steps=hvd.LocalSteps(every=4, pace="time"))
+    slow = global_process_set.topology.cluster_id == 1
+    periods, step = [], 0
+    while opt._outer.progress.exchanges < 4:
+        opt.zero_grad()
+        x, y = _batch(step * 100 + hvd.rank())
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if slow:
+            time.sleep(0.03)
+        steps = opt._outer.progress.local_steps + 1
+        before = opt._outer.progress.exchanges
+        opt.step()
+        if opt._outer.progress.exchanges > before:
+            periods.append(steps)
+        step += 1
+    everyone = hvd.allgather(torch.tensor([periods]), name="pace.periods")
+    fast_rows = [r for r in range(hvd.size()) if global_process_set.topology.cluster_of_rank[r] == 0]
+    slow_rows = [r for r in range(hvd.size()) if global_process_set.topology.cluster_of_rank[r] == 1]
+    assert all(everyone[r, 0] == 4 for r in range(hvd.size()))
+    assert all(everyone[r, 1:].sum() < everyone[f, 1:].sum() for r in slow_rows for f in fast_rows), everyone
+    opt.sync_clusters()
+    assert _same_everywhere(model)

@@ -718,3 +718,89 @@ def test_a_refusal_in_sync_clusters_raises_after_every_fragment(monkeypatch):
     assert all(e is not None and "of fragment 0 of 2 (0.weight)" in e for e in errors), errors
     assert [f.exchanges for f in two.syncs[0].fragments] == [0, 2]
     assert torch.equal(_flat(two.models[0]), _flat(two.models[1]))
+
+
+class PacedClusters:
+    """Two single-rank clusters under LocalSteps(pace="time"), each step costing ``costs[c]``
+    seconds on the cluster's own clock (simulated time: the test does not depend on this
+    machine's speed); the exchange is the plain mean of what both send, the gather both rows."""
+
+    def __init__(self, every, costs):
+        self.models = [_model(), _model()]
+        self.inner = [torch.optim.SGD(m.parameters(), lr=0.1) for m in self.models]
+        self.now, self.costs = [0.0, 0.0], costs
+        self.barrier = threading.Barrier(2)
+        self.slots = [None, None]
+        self.periods = [[], []]     # steps each cluster took in each period
+        self.raw = [[], []]         # each cluster's unweighted pseudo-gradient at each exchange
+        self.after = [[], []]       # each cluster's parameters after each exchange
+        settings = LocalSteps(every=every, pace="time")
+        self.syncs = [LocalStepsSync(settings, list(m.named_parameters()), self._exchange(c), gather=self._gather(c),
+                                     clock=lambda c=c: self.now[c]) for c, m in enumerate(self.models)]
+
+    def _meet(self, c, value):
+        self.slots[c] = value
+        self.barrier.wait()
+        both = list(self.slots)
+        self.barrier.wait()
+        return both
+
+    def _gather(self, c):
+        return lambda row: torch.cat(self._meet(c, row))
+
+    def _exchange(self, c):
+        return lambda deltas: [(a + b) / 2 for a, b in zip(*self._meet(c, [d.clone() for d in deltas]))]
+
+    def train(self, exchanges):
+        def run(c):
+            model, opt, sync = self.models[c], self.inner[c], self.syncs[c]
+            step = 0
+            while sync.progress.exchanges < exchanges:
+                sync.before_synchronize()
+                opt.zero_grad()
+                x, y = _batch(c, step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                self.now[c] += self.costs[c]
+                sync.step_closed(skipped=False)
+                sync.before_step()
+                opt.step()
+                if sync.due:
+                    self.periods[c].append(sync.progress.local_steps)
+                    self.raw[c].append([d.clone() for d in sync.deltas()])
+                sync.after_step()
+                if not sync.due and len(self.after[c]) < len(self.periods[c]):
+                    self.after[c].append([p.detach().clone() for p in model.parameters()])
+                step += 1
+        threads = [threading.Thread(target=run, args=(c,)) for c in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def test_pace_time_each_cluster_takes_the_steps_that_fit_and_the_mean_is_weighted_by_samples():
+    """every=4, steps of 1 s and 3 s: the first period is 4 steps everywhere; then a period
+    lasts 4 of the fast cluster's steps (4 s), the slow cluster takes the one step that fits,
+    and the outer mean is the sample-weighted one, 4/5 and 1/5."""
+    two = PacedClusters(every=4, costs=(1.0, 3.0))
+    anchor = [p.detach().clone() for p in two.models[0].parameters()]
+    two.train(exchanges=3)
+    assert two.periods == [[4, 4, 4], [4, 1, 1]]
+    assert two.syncs[0].period_s == two.syncs[1].period_s == 4.0
+    for e, (w_fast, w_slow) in enumerate([(0.5, 0.5), (0.8, 0.2), (0.8, 0.2)]):
+        mean = [w_fast * a + w_slow * b for a, b in zip(two.raw[0][e], two.raw[1][e])]
+        want = [a - m for a, m in zip(anchor, mean)]   # outer "average": SGD(lr=1) from the anchor
+        for c in (0, 1):
+            for got, w in zip(two.after[c][e], want):
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+        anchor = want
+    assert two.syncs[0].state_dict()["period_s"] == 4.0
+
+
+def test_pace_is_checked():
+    with pytest.raises(ValueError, match="pace must be one of steps, time"):
+        LocalSteps(every=4, pace="seconds")
+    with pytest.raises(ValueError, match="pace='time', fragments=2"):
+        LocalSteps(every=4, pace="time", fragments=2)
+    with pytest.raises(ValueError, match="overlap=True"):
+        LocalSteps(every=4, pace="time", overlap=True)
