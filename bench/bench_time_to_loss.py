@@ -145,9 +145,12 @@ def run_one(rate, mode, args, tmp):
         return {"error": "torchft is not installed"}
     script = "torchft_peer.py" if mode in TORCHFT else "e2e_train.py"
     layout = ["--clusters", "1"] if mode in NO_WAN else ["--clusters", "2", "--wan", rate]
+    # the limit trains for --limit-seconds (half the budget by default), so that a WAN penalty up
+    # to seconds / limit-seconds is measured within the other runs' budget
+    budget = (args.limit_seconds or args.seconds / 2) if mode in NO_WAN else args.seconds
     cmd = [stellarun, "-np", "4"] + layout + [
         "--timeout", "600", sys.executable, os.path.join(HERE, script), "--workload", "lm", "--hidden", str(args.hidden),
-        "--lr", str(args.lr), "--steps", "1000000", "--time-budget", str(args.seconds), "--eval-seconds",
+        "--lr", str(args.lr), "--steps", "1000000", "--time-budget", str(budget), "--eval-seconds",
         str(args.eval_seconds), "--out", out] + how
     if args.plain_sparse and mode in STELLA_SPARSE:
         cmd.append("--plain-sparse")
@@ -384,6 +387,9 @@ def main():
     p.add_argument("--modes", nargs="+", choices=list(MODES), help="instead of the preset's")
     p.add_argument("--seconds", type=float, default=40.0, help="training wall-clock of each run")
     p.add_argument("--eval-seconds", type=float, default=2.0)
+    p.add_argument("--limit-seconds", type=float, default=0.0,
+                   help="training wall-clock of the limit and compute runs (0: half of --seconds, so that a WAN "
+                        "penalty up to 2 is measured)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--compressor", default="cacheaware")
