@@ -843,3 +843,24 @@ def test_checkpoints_of_the_previous_release_load():
     _steps(model, opt, range(3, 5))
     opt.drain()
     _assert_same_everywhere(model)
+
+
+def test_local_steps_with_a_sparseloco_pseudo_gradient_meet_on_the_same_parameters():
+    torch.manual_seed(0)
+    model = small_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    comp = hvd.Compression.sparseloco(density=0.05, chunk=64, bits=2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   local_steps=hvd.LocalSteps(every=3, outer="nesterov", compression=comp))
+    for step in range(9):
+        opt.zero_grad()
+        x, y = rank_batch(hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt._outer.progress.exchanges == 3
+    opt.sync_clusters()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0)
+    everyone = hvd.allgather(flat, name="chunked.local.check")
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
+    assert all(torch.isfinite(everyone[0]))
