@@ -92,34 +92,30 @@ def test_start_and_end_have_deadlines(mode, what):
 def test_a_garbage_thc_scale_from_a_peer_ends_the_job():
     """A THC scale is agreed by one MAX over the clusters: a peer's NaN wins it, so every rank
     refuses the step (naming the ranks that agreed, not the sender: a MAX cannot tell)."""
-    proc, elapsed = _launch("corrupt_thc_scale")
+    _ends_the_job("corrupt_thc_scale", r"THC scales of '[^']*thc\.grad[^']*' \(step 0\): the clusters' ranks "
+                  r"\[[0-9, ]+\] agreed on scale nan for block 0, not finite scales >= 0 and a flag of 0 or 1; a peer "
+                  r"sent garbage")
+
+
+def _ends_the_job(mode, pattern):
+    """Rank 1 of faulty_rank.py tampers as ``mode`` says: the job ends within 45 s, non-zero,
+    with ``pattern`` (a regular expression) in its output, and no rank got past the step."""
+    proc, elapsed = _launch(mode)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
-    assert re.search(r"THC scales of '[^']*thc\.grad[^']*' \(step 0\): the clusters' ranks \[[0-9, ]+\] agreed on "
-                     r"scale nan for block 0, not finite scales >= 0 and a flag of 0 or 1; a peer sent garbage", out), \
-        out[-3000:]
+    assert re.search(pattern, out), out[-3000:]
     assert "finished without noticing" not in out
 
 
 def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
-    proc, elapsed = _launch("corrupt")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert elapsed < 45, elapsed
-    assert "rank 1 sent a malformed payload for 'sparse.grad#shard1'" in out, out[-3000:]
-    assert "finished without noticing" not in out
+    _ends_the_job("corrupt", re.escape("rank 1 sent a malformed payload for 'sparse.grad#shard1'"))
 
 
 @pytest.mark.slow   # (the C decoder's refusals of every bad scale run by default: tests/unit/test_chunked_kernels.py)
 def test_a_bad_sparseloco_scale_from_a_peer_ends_the_job_naming_the_sender():
-    proc, elapsed = _launch("corrupt_sparseloco_scale")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert elapsed < 45, elapsed
-    assert re.search(r"rank 1 sent a malformed payload for 'sparseloco\.grad#shard1' \(step \d+\): quantised payload "
-                     r"decode", out), out[-3000:]
-    assert "finished without noticing" not in out
+    _ends_the_job("corrupt_sparseloco_scale", r"rank 1 sent a malformed payload for 'sparseloco\.grad#shard1' "
+                  r"\(step \d+\): quantised payload decode")
 
 
 @pytest.mark.slow
