@@ -61,8 +61,11 @@ def main():
     parser.add_argument("--local-steps", type=int, default=0,
                         help="H > 0: hvd.LocalSteps(every=H): clusters exchange the pseudo-gradient every H steps "
                              "(through --compression)")
-    parser.add_argument("--outer", choices=["average", "nesterov"], default="average",
-                        help="--local-steps: model averaging or DiLoCo's outer Nesterov")
+    parser.add_argument("--outer", choices=["average", "nesterov", "sum", "sgd"], default="average",
+                        help="--local-steps: model averaging, DiLoCo's outer Nesterov, the clusters' sum (SGD at lr C), "
+                             "or plain SGD at --outer-lr")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="--local-steps: the outer learning rate of --outer nesterov (0.7) or sgd (1.0: averaging)")
     parser.add_argument("--fragments", type=int, default=1,
                         help="--local-steps: Streaming DiLoCo's fragments, exchanged in turn (H a multiple of it)")
     parser.add_argument("--fragment-delay", type=int, default=0,
@@ -127,9 +130,13 @@ def main():
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, engine=engine, **deprecated)
     elif args.local_steps:
+        outer, outer_lr = args.outer, {} if args.outer_lr is None else {"outer_lr": args.outer_lr}
+        if args.outer == "sgd":   # a callable: one plain SGD per fragment, at the outer learning rate
+            lr = 1.0 if args.outer_lr is None else args.outer_lr
+            outer, outer_lr = (lambda params: torch.optim.SGD(params, lr=lr)), {}
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression,
-                                             local_steps=hvd.LocalSteps(every=args.local_steps, outer=args.outer,
+                                             local_steps=hvd.LocalSteps(every=args.local_steps, outer=outer, **outer_lr,
                                                                         fragments=args.fragments,
                                                                         delay=args.fragment_delay))
     else:

@@ -41,12 +41,20 @@ def _optimizer(o):
 
 
 def _outer(ls, named):
-    if ls.outer == "average":
-        return "average"
+    if ls.outer in ("average", "sum"):
+        return ls.outer
     if ls.outer == "nesterov":
         return "nesterov(lr=%r, momentum=%r)" % (ls.outer_lr, ls.outer_momentum)
     # a callable or an optimizer: what it builds, with its hyperparameters
     return _optimizer(ls.outer_optimizer(named))
+
+
+def _field(value):
+    """A settings field as the comparison writes it: compressors (``Adjuster(pseudo_rungs=...)``)
+    by their settings."""
+    if isinstance(value, tuple) and value and all(callable(getattr(v, "compress", None)) for v in value):
+        return "(%s)" % ", ".join(_comp(v) for v in value)
+    return repr(value)
 
 
 def _plain(obj):
@@ -54,7 +62,7 @@ def _plain(obj):
         return "none"
     if dataclasses.is_dataclass(obj):
         return "%s(%s)" % (type(obj).__name__, ", ".join(
-            "%s=%r" % (f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+            "%s=%s" % (f.name, _field(getattr(obj, f.name))) for f in dataclasses.fields(obj)
             if f.compare and not isinstance(getattr(obj, f.name), torch.nn.Module)))
     return repr(obj)
 

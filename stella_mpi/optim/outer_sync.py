@@ -105,7 +105,7 @@ from ..core import state
 from .fragments import Fragment, InFlight, as_exchange, plan_fragments
 
 log = logging.getLogger("stella_mpi")
-OUTER_PRESETS = ("average", "nesterov")
+OUTER_PRESETS = ("average", "nesterov", "sum")
 PACES = ("steps", "time")
 
 __all__ = ["LocalSteps", "NoOuterSync", "LocalStepsSync", "OUTER_PRESETS"]
@@ -118,8 +118,11 @@ class LocalSteps:
 
     every: local steps between two cross-cluster exchanges (H >= 1).
     outer: the outer optimizer: "average" (model averaging), "nesterov" (DiLoCo: Nesterov SGD
-        with ``outer_lr`` and ``outer_momentum``), a callable ``params -> torch.optim.Optimizer``,
-        or a ``torch.optim.Optimizer`` built over the model's parameters.
+        with ``outer_lr`` and ``outer_momentum``), "sum" (SGD at lr C, the number of clusters: the
+        clusters' pseudo-gradients summed, for equal clusters; SparseLoCo's sparse pseudo-gradients,
+        where an entry one cluster sent is otherwise halved: bench/bench_parity.py), a callable
+        ``params -> torch.optim.Optimizer``, or a ``torch.optim.Optimizer`` built over the model's
+        parameters.
     outer_lr, outer_momentum: the "nesterov" preset's (DiLoCo uses 0.7 and 0.9).
     overlap: hide each exchange behind the next period's local steps and apply it one period
         late (see the module's documentation; compression none only).
@@ -220,12 +223,14 @@ class LocalSteps:
         if self.fragment_groups is not None:
             object.__setattr__(self, "fragment_groups", _checked_groups(self.fragment_groups, f))
 
-    def outer_optimizer(self, named):
+    def outer_optimizer(self, named, clusters=1):
         """The outer torch optimizer over the parameters ``named`` [(name, parameter)] (the
-        model's trainable ones, or one fragment's)."""
+        model's trainable ones, or one fragment's), between ``clusters`` clusters."""
         params = [p for _, p in named]
         if self.outer == "average":
             return torch.optim.SGD(params, lr=1.0)
+        if self.outer == "sum":
+            return torch.optim.SGD(params, lr=float(clusters))
         if self.outer == "nesterov":
             return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
         if isinstance(self.outer, torch.optim.Optimizer):
@@ -320,7 +325,7 @@ class LocalStepsSync:
     kind = "local"
 
     def __init__(self, settings, named, exchange, channel=None, rule=None, gather=None, cluster_id=0,
-                 drop_nonfinite_state=None, cluster_any=None, clock=time.perf_counter):
+                 drop_nonfinite_state=None, cluster_any=None, clock=time.perf_counter, clusters=1):
         self.settings = settings
         self.clock = clock           # seconds (tests give each simulated cluster its own)
         # pace "time": the common period in seconds (None: the first, ``every`` steps everywhere), and
@@ -332,7 +337,7 @@ class LocalStepsSync:
         self.named = list(named)
         self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
         parts = plan_fragments(self.named, settings.fragments, settings.fragment_groups)
-        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part),
+        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part, clusters),
                                    as_exchange(exchange, i, len(parts))) for i, part in enumerate(parts)]
         self.progress = LocalStepsState(settings.every)
         self.anchor = {}

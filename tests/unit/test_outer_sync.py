@@ -282,6 +282,17 @@ def test_an_optimizer_instance_over_the_models_parameters():
         LocalStepsSync(LocalSteps(every=1, outer=lambda ps: "sgd"), list(model.named_parameters()), exchange=None)
 
 
+def test_the_sum_preset_steps_by_the_number_of_clusters():
+    """outer="sum": SGD at lr C, so the mean pseudo-gradient of C equal clusters moves the
+    anchor by their sum (an entry one cluster's sparse selection sent is not halved)."""
+    model = _model()
+    named = list(model.named_parameters())
+    for clusters in (1, 2, 3):
+        sync = LocalStepsSync(LocalSteps(every=2, outer="sum", fragments=2), named, exchange=None, clusters=clusters)
+        assert [g["lr"] for o in sync.outers for g in o.param_groups] == [float(clusters)] * 2
+        assert all(g["momentum"] == 0 for o in sync.outers for g in o.param_groups)
+
+
 def test_a_checkpoint_of_the_previous_layout_loads():
     """The previous release saved the Nesterov preset's momentum by parameter name; it becomes
     the outer SGD's momentum buffers."""
