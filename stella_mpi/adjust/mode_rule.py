@@ -55,18 +55,30 @@ What each side is predicted from:
   predicted a little dear. It is put into the last synchronous estimate, whose rung the
   controller scores.
 
-Hysteresis, as the controller's: the other mode is taken when its score is below ``1 - h/2``
-times the current mode's, in two decisions running, and not before ``Adjuster.window`` decisions
-have been taken in the current mode (the estimates then hold the current mode's measurements).
+The pseudo-gradient's rung (``Adjuster(pseudo_rungs=...)``; on the automatic route THC 4 bits
+and SparseLoCo's 2-bit chunked top-k at 1 % and 3 %): each rung is scored as local steps at the
+H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``), and the
+best one is the local side of the comparison. So the adjuster chooses the bits and the density
+of the outer sync, and its H, in one objective: a smaller payload lets H fall (the clusters
+meet more often) but holds more back. Entering local steps, the best rung is taken; in local
+mode, each exchange also scores the other rungs, their exchange predicted from the measured one
+(its transfer scaled by the payloads' ratio, the latency and ``cpu_s`` kept), and a rung that
+wins by the dead band twice running is taken at its H. The rungs share the exchange's
+collectives, so the error-feedback residual (in the entries' domain for THC and SparseLoCo)
+carries over: what one rung did not send, the next sends.
+
+Hysteresis, as the controller's: the other mode (or rung) is taken when its score is below
+``1 - h/2`` times the current one's, in two decisions running for the same choice, and not before
+``Adjuster.window`` decisions have been taken in the current mode and rung (the estimates then
+hold their measurements).
 """
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from .controller import Controller, Estimate
 from .local_steps_rule import smallest_fitting
-from .settings import MODES
 
 
 def local_step_time(est):
@@ -82,104 +94,196 @@ def local_backlog_shape(every, nclusters):
     return (1.0 - 1.0 / nclusters) * math.sqrt(max(every - 1, 0) / 2.0)
 
 
+@dataclass(frozen=True)
+class PseudoRung:
+    """One compression the pseudo-gradient may cross the WAN with (``Adjuster(pseudo_rungs=...)``).
+
+    ``name``: as the logs write it; ``payload_per_entry``: wire bytes one rank sends per shard
+    entry; ``backlog(est)``: what it holds back, in the controller's unit (the backlog the
+    synchronous rung of that compression leaves: a sparse density's, THC bits')."""
+    name: str
+    payload_per_entry: float
+    backlog: Callable
+
+
+@dataclass(frozen=True)
+class LocalOption:
+    """Local steps with pseudo rung ``rung`` at H = ``every``: the predicted seconds per local
+    step and per exchange, and the score."""
+    rung: int
+    every: int
+    step_s: float
+    exchange_s: float
+    score: float
+
+
 @dataclass
 class ModeRule:
-    """The mode decisions of one optimizer (one instance per rank, fed the same values).
+    """The mode decisions of one optimizer (one instance per rank, fed the same values), and in
+    local mode the pseudo-gradient's rung.
 
     ``controller``: the synchronous route's (its current rung is scored);
-    ``pseudo_backlog(est)``: the backlog the pseudo-gradient's compression leaves;
-    ``payload_per_entry``: the pseudo-gradient's wire bytes per shard entry (its compression);
-    ``nclusters``: C; ``link_bps``: the bandwidth of one pair of shard owners measured with
-    payloads of a megabyte or more before the first step (adjust/link_probe.py), or None."""
+    ``nclusters``: C; ``pseudo``: the pseudo-gradient's rungs (:class:`PseudoRung`; one when it
+    is not chosen), ``pseudo_index`` the current one; ``link_bps``: the bandwidth of one pair of
+    shard owners measured with payloads of a megabyte or more before the first step
+    (adjust/link_probe.py), or None."""
     settings: object
     controller: Controller
     nclusters: int
-    payload_per_entry: float
-    pseudo_backlog: Callable
+    pseudo: Tuple[PseudoRung, ...]
     mode: str = "sync"
     sync_estimate: Optional[Estimate] = None   # the last synchronous one (kept through local mode)
-    predicted_every: Optional[int] = None      # the H local steps would start from (after_sync)
+    predicted_every: Optional[int] = None      # the H local steps would start from (after_sync, a rung change)
+    pseudo_index: int = 0
     link_bps: Optional[float] = None
-    _votes: int = 0       # decisions running that favoured the other mode
-    _held: int = 0        # decisions taken in the current mode
+    _votes: int = 0       # decisions running that favoured the same other choice
+    _held: int = 0        # decisions taken in the current mode (and rung)
+    _candidate: object = None   # that choice: "sync", or ("local", rung)
 
-    def local_score(self, est, step_s, exchange_s, every):
-        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + self.pseudo_backlog(est)
+    def __post_init__(self):
+        self.pseudo = tuple(self.pseudo)
+        if not self.pseudo:
+            raise ValueError("ModeRule: at least one pseudo-gradient rung")
+
+    @property
+    def rung(self):
+        return self.pseudo[self.pseudo_index]
+
+    def local_score(self, est, step_s, exchange_s, every, rung=None):
+        r = self.rung if rung is None else self.pseudo[rung]
+        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + r.backlog(est)
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
 
     def sync_score(self, est):
         """The controller's score of its current rung under ``est``."""
         return self.controller.score(est, self.controller._rung())
 
-    def _predicted_exchange(self, est):
-        """The pseudo-gradient's exchange. With the measured link: its payload at the link's
-        bandwidth, the messages' latency, and the sparse route's selection, encoding, decoding
-        and merge per step (``cpu_s``: the pseudo-gradient's encoding of the same shard costs
-        about as much). Without:
+    def _predicted_exchange(self, est, rung=None):
+        """The pseudo-gradient's exchange through rung ``rung`` (default: the current one). With
+        the measured link: its payload at the link's bandwidth, the messages' latency, and the
+        sparse route's selection, encoding, decoding and merge per step (``cpu_s``: the
+        pseudo-gradient's encoding of the same shard costs about as much). Without:
         the current rung's predicted wire time, latency included, scaled by the payloads'
         ratio, plus the latency (the controller's bandwidth, fitted from payloads of some KB, is
         not used alone)."""
+        per_entry = (self.rung if rung is None else self.pseudo[rung]).payload_per_entry
         if self.link_bps:
-            return (est.messages * est.latency_s + 8.0 * est.elements * self.payload_per_entry / self.link_bps
+            return (est.messages * est.latency_s + 8.0 * est.elements * per_entry / self.link_bps
                     + est.cpu_s)
         c = self.controller
         now = c.payload(est, c.density, c.bits)
         latency = est.messages * est.latency_s
         wire = latency + 8.0 * now / max(est.bandwidth_bps, 1.0)
-        return latency + est.elements * self.payload_per_entry / max(now, 1.0) * wire
+        return latency + est.elements * per_entry / max(now, 1.0) * wire
+
+    def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None):
+        """Local steps through ``rung``: at H = ``every``, or the H the local-steps rule would
+        choose (:func:`.local_steps_rule.smallest_fitting`, no hysteresis)."""
+        s = self.settings
+        if every is None:
+            every = smallest_fitting(s.local_steps, s.target, step_s, exchange_s, wire_s)
+        blocked = exchange_s + (max(0.0, wire_s - every * step_s) if wire_s is not None else 0.0)
+        return LocalOption(rung, every, step_s, blocked, self.local_score(est, step_s, blocked, every, rung))
+
+    def _best(self, options):
+        """The best option, the current rung's on a tie (then the smaller payload)."""
+        return min(options, key=lambda o: (o.score, o.rung != self.pseudo_index,
+                                           self.pseudo[o.rung].payload_per_entry))
 
     def after_sync(self, est):
-        """A synchronous decision's estimate; returns (mode, reason): "local" to switch."""
+        """A synchronous decision's estimate; returns (mode, reason): "local" to switch (at
+        ``predicted_every`` through rung ``pseudo_index``)."""
         self.sync_estimate = est
-        s = self.settings
         step_local = local_step_time(est)
-        exchange = self._predicted_exchange(est)
-        every = self.predicted_every = smallest_fitting(s.local_steps, s.target, step_local, exchange)
+        options = [self._option(est, i, step_local, self._predicted_exchange(est, i)) for i in range(len(self.pseudo))]
+        best = self._best(options)
         here = self.sync_score(est)
-        there = self.local_score(est, step_local, exchange, every)
         link = self.link_bps or est.bandwidth_bps
-        return self._vote(here, there, "local steps H=%d: predicted %.1f ms per step, exchange %.1f ms (%.0f entries "
-                          "at %.0f Mbit/s); sync %.3f, local %.3f" % (every, 1e3 * step_local, 1e3 * exchange,
-                                                                      est.elements, link / 1e6, here, there))
+        why = "local steps H=%d, pseudo-gradient %s: predicted %.1f ms per step, exchange %.1f ms (%.0f entries " \
+              "at %.0f Mbit/s); sync %.3f, local %.3f%s" % (
+                  best.every, self.pseudo[best.rung].name, 1e3 * step_local, 1e3 * best.exchange_s, est.elements,
+                  link / 1e6, here, best.score, "".join(", %s H=%d %.3f" % (self.pseudo[o.rung].name, o.every, o.score)
+                                                       for o in options if o is not best))
+        mode, reason, taken = self._vote(here, best.score, ("local", best.rung), why)
+        if taken:
+            self.pseudo_index = best.rung
+        self.predicted_every = best.every
+        return mode, reason
 
     def after_local(self, step_s, exchange_s, every, wire_s=None):
         """A local-steps decision's measured times (seconds per local step, seconds the exchange
-        blocked; with overlap, its wire time from launch to arrival) at H = ``every``; returns
-        (mode, reason): "sync" to switch."""
+        blocked; with overlap, its wire time from launch to arrival) at H = ``every`` through the
+        current rung; returns (mode, reason): "sync" to switch. When another pseudo rung is
+        predicted to reach the loss sooner (twice running, past the dead band), the rule takes it:
+        ``pseudo_index`` and ``predicted_every`` change, the mode stays "local".
+
+        The other rungs' exchange is this one's with the transfer scaled by their payloads' ratio:
+        ``latency + cpu + transfer * payload_j / payload_now``, where the transfer is what the
+        measured exchange (with overlap, the wire) spent beyond the latency and ``cpu_s``."""
         est = self.sync_estimate
         if est is None:   # a checkpoint without one: go back to measure the synchronous route
-            return self._vote(1.0, 0.0, "no estimate of the synchronous route (a checkpoint without one): it is "
-                                        "measured again")
-        transfer = max((wire_s if wire_s is not None else exchange_s) - est.messages * est.latency_s, 1e-6)
-        if wire_s is not None:   # what is left of the wire after the H steps it overlaps
-            exchange_s += max(0.0, wire_s - every * step_s)
-        bandwidth = 8.0 * est.elements * self.payload_per_entry / transfer
+            return self._vote(1.0, 0.0, "sync", "no estimate of the synchronous route (a checkpoint without one): it "
+                                                "is measured again")[:2]
+        latency = est.messages * est.latency_s
+        measured = wire_s if wire_s is not None else exchange_s
+        transfer = max(measured - latency, 1e-6)
+        bandwidth = 8.0 * est.elements * self.rung.payload_per_entry / transfer
         predicted = dataclasses.replace(est, bandwidth_bps=bandwidth)
-        here = self.local_score(est, step_s, exchange_s, every)
-        there = self.sync_score(predicted)
-        return self._vote(here, there, "link %.0f Mbit/s measured by the exchange of local steps (H=%d, %.1f ms per "
-                          "step, exchange %.1f ms); local %.3f, sync %.3f" % (bandwidth / 1e6, every, 1e3 * step_s,
-                                                                            1e3 * exchange_s, here, there))
+        now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
+        moved = max(measured - latency - est.cpu_s, 1e-6)   # the part that grows with the payload
+        others = []
+        for j, r in enumerate(self.pseudo):
+            if j == self.pseudo_index:
+                continue
+            scaled = latency + est.cpu_s + moved * r.payload_per_entry / max(self.rung.payload_per_entry, 1e-12)
+            others.append(self._option(est, j, step_s, exchange_s if wire_s is not None else scaled,
+                                       scaled if wire_s is not None else None))
+        sync = self.sync_score(predicted)
+        there, target = sync, "sync"
+        if others:
+            best = self._best(others)
+            if best.score < sync:
+                there, target = best.score, ("local", best.rung)
+        why = "link %.0f Mbit/s measured by the exchange of local steps (H=%d, %s, %.1f ms per step, exchange " \
+              "%.1f ms); local %.3f, sync %.3f%s" % (
+                  bandwidth / 1e6, every, self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s, now.score, sync,
+                  "".join(", %s H=%d %.3f" % (self.pseudo[o.rung].name, o.every, o.score) for o in others))
+        mode, reason, taken = self._vote(now.score, there, target, why)
+        if taken and target != "sync":
+            self.pseudo_index, self.predicted_every = best.rung, best.every
+        return mode, reason
 
-    def take(self, mode, estimate=None):
+    def take(self, mode, estimate=None, pseudo_index=None):
         """Take ``mode`` as it is (a checkpoint's, the root's), with the synchronous estimate
-        saved with it (an Estimate, or None); the dead band starts over."""
-        self.mode, self._votes, self._held = mode, 0, 0
+        saved with it (an Estimate, or None) and the pseudo rung; the dead band starts over."""
+        self.mode, self._votes, self._held, self._candidate = mode, 0, 0, None
         if estimate is not None:
             self.sync_estimate = estimate
+        if pseudo_index is not None:
+            self.pseudo_index = int(pseudo_index)
 
     def saved_estimate(self):
         """The synchronous estimate as a dict (for a checkpoint), or None."""
         return dataclasses.asdict(self.sync_estimate) if self.sync_estimate is not None else None
 
-    def _vote(self, here, there, why):
-        other = MODES[1 - MODES.index(self.mode)]
+    def _vote(self, here, there, target, why):
+        """One decision: ``target`` ("sync", or ("local", rung)) is taken when its score is below
+        ``1 - h/2`` times the current choice's in two decisions running for the same target, and
+        not before ``Adjuster.window`` decisions in the current mode and rung. Returns (mode,
+        reason, whether the target was taken)."""
         self._held += 1
         if there < (1.0 - self.settings.hysteresis / 2) * here and self._held > int(self.settings.window):
-            self._votes += 1
+            self._votes = self._votes + 1 if target == self._candidate else 1
+            self._candidate = target
         else:
-            self._votes = 0
-        if self._votes >= 2:
-            self.mode, self._votes, self._held = other, 0, 0
-            return other, "%s reaches the loss sooner: %s" % (other, why)
-        return self.mode, "steady: %s" % why
+            self._votes, self._candidate = 0, None
+        if self._votes < 2:
+            return self.mode, "steady: %s" % why, False
+        self._votes, self._held, self._candidate = 0, 0, None
+        if target == "sync":
+            self.mode = "sync"
+            return "sync", "sync reaches the loss sooner: %s" % why, True
+        if self.mode == "sync":
+            self.mode = "local"
+            return "local", "local reaches the loss sooner: %s" % why, True
+        return "local", "local steps through %s reach the loss sooner: %s" % (self.pseudo[target[1]].name, why), True

@@ -44,6 +44,13 @@ class AdjusterSettings:
         sparse ``compression`` (the synchronous route's) and optionally
         ``local_steps=hvd.LocalSteps(...)`` (default: 4-bit THC pseudo-gradients). Empty (the
         default): the optimizer's one mode.
+    pseudo_rungs: with ``modes`` (or on the automatic route), the compressions the adjuster
+        chooses between for the pseudo-gradient of local steps, with H, by the time-to-loss
+        objective (:mod:`.mode_rule`): THC (``hvd.Compression.thc(bits=...)``) or sparse ones
+        (``hvd.Compression.sparseloco(density, bits=...)``, ``topk``, ...) whose residual lives in
+        the entries' domain (not ``dct``). Empty (the default): the automatic route's
+        (``optim/tuning.py``: THC 4 bits, SparseLoCo 1 % and 3 % at 2 bits), otherwise
+        ``LocalSteps(compression=...)`` alone.
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -61,6 +68,7 @@ class AdjusterSettings:
     thc_bits: Tuple[int, ...] = ()
     local_steps: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     modes: Tuple[str, ...] = ()
+    pseudo_rungs: Tuple[object, ...] = ()
 
     def __post_init__(self):
         for name in ("min_density", "max_density"):
@@ -104,6 +112,7 @@ class AdjusterSettings:
         if self.modes and self.objective != "time_to_loss":
             raise ValueError("Adjuster: modes=%r compares the modes by the time-to-loss objective; "
                              "pass objective='time_to_loss'" % (MODES,))
+        object.__setattr__(self, "pseudo_rungs", _checked_pseudo_rungs(self.pseudo_rungs))
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 
@@ -114,6 +123,26 @@ class AdjusterSettings:
             return (lo,)
         n = max(1, int(math.ceil(math.log10(hi / lo) * self.levels_per_decade - 1e-9)))
         return tuple(lo * (hi / lo) ** (i / n) for i in range(n)) + (hi,)
+
+
+def _checked_pseudo_rungs(rungs):
+    """``pseudo_rungs`` as a tuple: distinct THC or sparse compressors whose residual is kept in
+    the entries' domain (the rungs share one exchange's residuals)."""
+    if not isinstance(rungs, (tuple, list)):
+        raise ValueError("Adjuster: pseudo_rungs must be a tuple of hvd.Compression (THC or sparse), got %r" % (rungs,))
+    for c in rungs:
+        if not callable(getattr(c, "compress", None)) or not (getattr(c, "homomorphic", False)
+                                                              or getattr(c, "sparse", False)):
+            raise ValueError("Adjuster: pseudo_rungs must be THC or sparse compressors (hvd.Compression.thc(...), "
+                             "hvd.Compression.sparseloco(...), ...), got %r" % (c,))
+        if hasattr(c, "from_coefficients"):
+            raise ValueError("Adjuster: pseudo_rungs cannot hold %r: its residual lives in the DCT's coefficients, "
+                             "so it cannot carry over to another rung; pass it as LocalSteps(compression=...) alone"
+                             % (c,))
+    names = [repr(c.settings() if callable(getattr(c, "settings", None)) else c) for c in rungs]
+    if len(set(names)) != len(names):
+        raise ValueError("Adjuster: pseudo_rungs has the same compression twice: %s" % ", ".join(names))
+    return tuple(rungs)
 
 
 Adjuster = AdjusterSettings   # the public name (hvd.Adjuster)

@@ -564,6 +564,29 @@ def _fragments_with_modes(s, opt):
 
 
 @refusal
+def _pseudo_rungs(s, opt):
+    rungs = s.adjuster.pseudo_rungs if s.adjuster is not None else ()
+    if not rungs:
+        return None
+    what = "hvd.Adjuster(pseudo_rungs=...)"
+    if not (s.modes or s.route_kind() == "auto"):
+        return ("%s: the adjuster chooses the pseudo-gradient's compression when it moves between the synchronous "
+                "route and local steps; pass modes=('sync', 'local'), or leave compression out across clusters (the "
+                "automatic route)" % what)
+    ls = s.local_steps
+    if ls is not None and ls.compression is not None:
+        return ("%s and LocalSteps(compression=%r): the pseudo-gradient's compression is given twice; pass the rungs "
+                "alone (the adjuster chooses among them) or LocalSteps(compression=...) alone" % (what, ls.compression))
+    if ls is not None and ls.overlap:
+        return ("%s with LocalSteps(overlap=True): overlap sends the pseudo-gradient uncompressed; leave one out"
+                % what)
+    if any(getattr(c, "sparse", False) for c in rungs):
+        for p in _trainable(opt):
+            if p.dtype != torch.float32:
+                return "%s: a sparse rung takes float32 parameters, got %s" % (what, p.dtype)
+
+
+@refusal
 def _pseudo_gradient_twice(s, opt):
     ls = s.local_steps
     if ls is not None and not s.modes and ls.compression is not None and s.compression is not Compression.none:

@@ -36,7 +36,7 @@ import torch
 from ..adjust.controller import Estimate
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
-from ..adjust.mode_rule import ModeRule
+from ..adjust.mode_rule import ModeRule, PseudoRung
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
@@ -71,6 +71,29 @@ AUTO_DENSITY = 0.01
 AUTO_PSEUDO_BITS = 4
 AUTO_OUTER = "nesterov"   # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): ahead of averaging by step 250-400 here
 AUTO_THC_BITS = (2, 4, 8)
+
+
+def auto_pseudo_rungs():
+    """The automatic route's pseudo-gradient rungs (fresh compressors): THC 4 bits, and
+    SparseLoCo's chunked top-k at 1 % and 3 % of each 4096-entry chunk with 2-bit values, its
+    residual decayed by 0.95 per exchange (bench/bench_parity.py, 4 seeds: with the outer step
+    of :func:`auto_outer_of`, 1 % is +0.15 % held-out loss over uncompressed local 8 at 1/160 of
+    its bytes)."""
+    return (Compression.thc(bits=AUTO_PSEUDO_BITS),
+            Compression.sparseloco(density=0.01, bits=2, feedback_decay=0.95),
+            Compression.sparseloco(density=0.03, bits=2, feedback_decay=0.95))
+
+
+def auto_outer_of(comp, nclusters):
+    """The automatic route's outer SGD hyperparameters for a pseudo rung: DiLoCo's Nesterov
+    (``AUTO_OUTER``) for THC; for a sparse rung the clusters' sum (``LocalSteps(outer="sum")``:
+    lr C, no momentum), because the mean over clusters halves an entry one cluster sent and
+    Nesterov's momentum on top of error feedback overshoots (bench/bench_parity.py, 4 seeds at 1 %:
+    sum +0.15 %, averaging +4.6 %, Nesterov +16 % over uncompressed local 8)."""
+    if getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False):
+        return {"lr": float(nclusters), "momentum": 0.0, "nesterov": False}
+    ls = LocalSteps(every=1, outer=AUTO_OUTER)
+    return {"lr": ls.outer_lr, "momentum": ls.outer_momentum, "nesterov": True}
 _exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchange (same order on every rank)
 
 
@@ -227,7 +250,8 @@ def local_steps_sync(opt, settings, pseudo, rule=None):
                           gather=lambda row: allgather(row, name=name + ".times"),
                           cluster_id=global_process_set.topology.cluster_id,
                           drop_nonfinite_state=nonfinite_state_dropper(opt),
-                          cluster_any=cluster_any(name) if settings.pace == "time" else None)
+                          cluster_any=cluster_any(name) if settings.pace == "time" else None,
+                          clusters=global_process_set.topology.num_clusters)
 
 
 def cluster_any(name):
@@ -256,6 +280,10 @@ def payload_per_entry(comp, nclusters):
     width = 2 if comp.name in ("fp16", "bf16") else 4
     n = 1 << 20
     return allreduce_bytes(width * n, nclusters) / n
+
+
+def _backlog_of(controller, comp):
+    return lambda est: pseudo_backlog(controller, est, comp)
 
 
 def pseudo_backlog(controller, est, comp):
@@ -360,12 +388,14 @@ class ModeSwitch:
     over: what was not sent is sent when the route is back.
     """
 
-    def __init__(self, opt, sync_route, session, local, pseudo, adjuster, probe=None):
+    def __init__(self, opt, sync_route, session, local, rungs, adjuster, probe=None, rung_outers=None):
         self.opt = opt
         self.sync_route = sync_route
         self.session = session
         self.local = local
-        self.pseudo = pseudo
+        self.rungs = tuple(rungs)     # the pseudo-gradient's compressions (one when it is not chosen)
+        # per rung, the outer SGD's hyperparameters (the automatic route's), or None: the user's outer
+        self.rung_outers = rung_outers
         self.switches = []            # [(step, mode, reason)], the same on every rank
         self.reason = None
         self.votes = collections.deque(maxlen=KEEP_WINDOWS)   # every mode decision: (step, mode, reason)
@@ -374,9 +404,14 @@ class ModeSwitch:
         if session is not None:
             ctrl = session.controller
             nclusters = opt._spec.clusters
-            self.rule = ModeRule(adjuster, ctrl, nclusters, payload_per_entry(pseudo, nclusters),
-                                 lambda est: pseudo_backlog(ctrl, est, pseudo),
+            self.rule = ModeRule(adjuster, ctrl, nclusters, [PseudoRung(_comp_name(c), payload_per_entry(c, nclusters),
+                                                                        _backlog_of(ctrl, c)) for c in self.rungs],
                                  link_bps=probe.pair_bps if probe is not None else None)
+
+    @property
+    def pseudo(self):
+        """The pseudo-gradient's compression now."""
+        return self.rungs[self.rule.pseudo_index] if self.rule is not None else self.rungs[0]
 
     @classmethod
     def build(cls, opt):
@@ -391,8 +426,14 @@ class ModeSwitch:
         else:   # the automatic route's sparse rungs; 16-bit values where the user asked for fp16/bf16
             value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
             base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
-        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER, compression=Compression.thc(bits=AUTO_PSEUDO_BITS))
-        pseudo = ls.compression if ls.compression is not None else Compression.thc(bits=AUTO_PSEUDO_BITS)
+        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER)
+        # the pseudo-gradient's rungs: the user's (the adjuster's, or LocalSteps' one); the
+        # automatic route's; THC 4 bits
+        rungs = adjuster.pseudo_rungs or ((ls.compression,) if ls.compression is not None else
+                                          auto_pseudo_rungs() if automatic else
+                                          (Compression.thc(bits=AUTO_PSEUDO_BITS),))
+        # the outer step follows the rung where the route chose the outer optimizer too
+        rung_outers = [auto_outer_of(c, spec.clusters) for c in rungs] if spec.local_steps is None else None
         pset = spec.process_set
         probe = probe_link(pset) if automatic and pset.included() and spec.clusters >= 2 else None
         session = adjust_session(settings, base, pset, overlap=False, passes=spec.passes) \
@@ -404,8 +445,8 @@ class ModeSwitch:
             sync = sparse_route(opt, base)
         else:   # one cluster, no stella compressor: nothing crosses a WAN, Horovod's route
             sync = DenseRoute(opt, pset, spec.compression, spec.op, spec.predivide)
-        local = local_steps_sync(opt, ls, pseudo, LocalStepsRule(settings, ls.every))
-        switch = cls(opt, sync, session, local, pseudo, settings, probe)
+        local = local_steps_sync(opt, ls, rungs[0], LocalStepsRule(settings, ls.every))
+        switch = cls(opt, sync, session, local, rungs, settings, probe, rung_outers)
         opt._tuner = switch
         opt._session = session
         opt._install(sync, NoOuterSync())
@@ -453,10 +494,13 @@ class ModeSwitch:
         if opt._outer.kind == "local":
             if self.rule is not None and measured is not None:
                 compute, exchange, wire = measured
+                rung = self.rule.pseudo_index
                 _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire)
                 self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
+                elif self.rule.pseudo_index != rung:
+                    self._take_rung(self.rule.predicted_every)
             return
         session = self.session
         if session is None:
@@ -501,8 +545,34 @@ class ModeSwitch:
             self.session.resume()
             opt._install(self.sync_route, NoOuterSync())
 
+    def _take_rung(self, every):
+        """Local steps go on through the rule's pseudo rung from the next period, at H = ``every``
+        (the rung's predicted H; the local-steps rule starts over from it). The exchange keeps its
+        collectives' names, so the residual carries over."""
+        self.local.exchange.comp = self.pseudo
+        self._rung_outer()
+        self.local.progress.every = every
+        if self.local.rule is not None:
+            self.local.rule.restart(every)
+        self._record("local")
+
+    def _rung_outer(self):
+        """The outer SGD's hyperparameters of the rung now (the automatic route's: the clusters'
+        sum for a sparse rung, Nesterov for THC), its state cleared when they change (a momentum
+        of the other rung's steps); the user's outer optimizer is left as it is."""
+        hp = self.rung_outers[self.rule.pseudo_index] if self.rung_outers and self.rule is not None else None
+        if hp is None:
+            return
+        for outer in self.local.outers:
+            if any(g.get(k) != v for g in outer.param_groups for k, v in hp.items()):
+                for g in outer.param_groups:
+                    g.update(hp)
+                outer.state.clear()
+
     def _enter_local(self):
         every = self.rule.predicted_every
+        self.local.exchange.comp = self.pseudo
+        self._rung_outer()
         self.local.restart(every)
         self._velocity_to_buffers()
         self._set_mode("local")
@@ -563,7 +633,8 @@ class ModeSwitch:
 
     def _saved_mode(self):
         return {"mode": self.opt.mode,
-                "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None}
+                "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None,
+                "pseudo": _comp_name(self.pseudo)}
 
     def save(self, out):
         out["stella_local_steps"] = self.local.state_dict()
@@ -572,7 +643,8 @@ class ModeSwitch:
     def restore(self, state_dict):
         """Check the checkpoint's mode and local-steps state now (before anything is loaded);
         returns what takes them afterwards (the parameters are taken as loaded, no exchange)."""
-        mode, estimate = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}))
+        mode, estimate, pseudo = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}),
+                                              [_comp_name(c) for c in self.rungs])
         saved = state_dict.pop("stella_local_steps", None)
         if saved is not None:
             self.local.check(saved)
@@ -581,17 +653,19 @@ class ModeSwitch:
             self.local.drop_in_flight()
             if saved is not None:
                 self.local.load_state_dict(saved)
-            self._take_mode(mode, estimate)
+            self._take_mode(mode, estimate, pseudo)
         return take
 
-    def _take_mode(self, mode, estimate):
+    def _take_mode(self, mode, estimate, pseudo=None):
         if self.session is None:
             return
         if mode != self.opt.mode:
             if mode == "local" and not self.local.anchor:
                 self.local.capture()
             self._set_mode(mode)
-        self.rule.take(mode, estimate)
+        self.rule.take(mode, estimate, pseudo)
+        self.local.exchange.comp = self.pseudo
+        self._rung_outer()
 
     def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a
@@ -600,31 +674,43 @@ class ModeSwitch:
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
-                                                       root_rank, name="mode_switch.mode")))
+                                                       root_rank, name="mode_switch.mode"),
+                                      [_comp_name(c) for c in self.rungs]))
 
 
 def _comp_name(comp):
     if getattr(comp, "homomorphic", False):
         return "thc %d bits" % comp.bits
     if getattr(comp, "sparse", False):
-        return "%s %g %%" % (comp.name, 100 * comp.density)
+        bits = getattr(comp, "bits", None)
+        decay = getattr(comp, "feedback_decay", 1.0)
+        return "%s %g %%%s%s" % (comp.name, 100 * comp.density, " %d bits" % bits if bits else "",
+                                 " decay %g" % decay if decay != 1.0 else "")
     return comp.name
 
 
-def checked_mode(saved):
-    """(mode, Estimate or None) from a checkpoint's ``stella_mode``; ValueError naming what is
-    wrong (before anything is loaded)."""
+def checked_mode(saved, rungs=()):
+    """(mode, Estimate or None, index of the pseudo rung or None) from a checkpoint's
+    ``stella_mode``, whose ``pseudo`` (absent before the rungs: None) must name one of ``rungs``;
+    ValueError naming what is wrong (before anything is loaded)."""
     what = "DistributedOptimizer checkpoint: stella_mode"
     if not isinstance(saved, dict) or saved.get("mode") not in MODES:
         raise ValueError("%s must be {'mode': one of %s, 'sync_estimate': ...}, got %r" % (what, MODES, saved))
+    pseudo = saved.get("pseudo")
+    if pseudo is not None:
+        if pseudo not in rungs:
+            raise ValueError("%s: the pseudo-gradient went through %r, which is not one of this optimizer's rungs (%s); "
+                             "build the optimizer with the same Adjuster(pseudo_rungs=...) or LocalSteps(compression=...)"
+                             % (what, pseudo, ", ".join(map(repr, rungs))))
+        pseudo = list(rungs).index(pseudo)
     est = saved.get("sync_estimate")
     if est is None:
-        return saved["mode"], None
+        return saved["mode"], None, pseudo
     fields = {f.name for f in dataclasses.fields(Estimate)}
     # (a field with a default may be missing: the previous release saved fewer)
     required = {f.name for f in dataclasses.fields(Estimate) if f.default is dataclasses.MISSING}
     if not isinstance(est, dict) or not required <= set(est) <= fields or not all(
             v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in est.values()):
         raise ValueError("%s: sync_estimate must hold the numbers %s, got %r" % (what, sorted(fields), est))
-    return saved["mode"], Estimate(**est)
+    return saved["mode"], Estimate(**est), pseudo
 

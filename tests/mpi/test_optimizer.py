@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import stella_mpi as hvd
+from stella_mpi.optim.tuning import auto_outer_of
 from reference import rank_batch, small_model
 
 
@@ -693,6 +694,75 @@ def test_mode_switch_to_local_steps_over_a_slow_link():
     everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])
     assert all(x == everyone[0] for x in everyone), everyone
     _assert_same_everywhere(model)
+
+
+def test_mode_switch_chooses_the_pseudo_rung_on_every_rank():
+    """Adjuster(pseudo_rungs=...): entering local steps the rule's best rung is taken; in local
+    mode a rung that wins twice running (forced here: the rule's scores are unit-tested) is
+    taken from the next period, on every rank at the same step, at the H it predicts. The
+    exchange keeps its collectives' names, so THC's residual goes on as SparseLoCo's; the
+    clusters meet again and the checkpoint names the rung, which a new optimizer takes."""
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: nothing to switch")
+    rungs = (hvd.Compression.thc(bits=4), hvd.Compression.sparseloco(density=0.05, chunk=64, bits=2))
+    seen, keys, outers = [], {}, set()
+
+    def make(model):
+        opt = _switching(model, ladder=(2, 4), pseudo_rungs=rungs)
+        # the automatic route's outer step per rung (its own build is unit-tested): Nesterov for THC,
+        # the clusters' sum for SparseLoCo
+        opt._tuner.rung_outers = [auto_outer_of(c, hvd.global_process_set.topology.num_clusters) for c in rungs]
+        return opt
+
+    def watch(step, model, opt):
+        rule = opt._tuner.rule
+        seen.append((step, opt.mode, opt._tuner.pseudo.name if opt.mode == "local" else None))
+        if step in (2, 12):
+            rule.sync_score = lambda est: float("inf")
+            best = int(step == 12)   # THC's rung scores best entering local steps, SparseLoCo's from step 12
+
+            def score(est, step_s, exchange_s, every, rung=None, best=best):
+                return 1.0 if (rule.pseudo_index if rung is None else rung) == best else 2.0
+            rule.local_score = score
+        if opt.mode == "local":
+            groups = [g for o in opt.outer_optimizers for g in o.param_groups]
+            outers.add((opt._tuner.pseudo.name, groups[0]["lr"], groups[0]["momentum"], groups[0]["nesterov"]))
+        if step in (12, 39):   # the residuals' names, before the switch of rung and at the end
+            keys[step] = {k: t.numel() for k, t in hvd.core.state.current().sparse_memory._res.items()
+                          if k.startswith("local_steps.")}
+
+    model, opt = _train_with(make, 40, watch)
+    used = [name for _, mode, name in seen if mode == "local"]
+    assert used and used[0] == "thc" and used[-1] == "sparseloco", seen
+    assert opt._outer.exchange.comp is opt._tuner.rungs[1]
+    c = float(hvd.global_process_set.topology.num_clusters)
+    assert outers == {("thc", 0.7, 0.9, True), ("sparseloco", c, 0.0, False)}, outers
+    switches = [(s, m) for s, m, _ in opt.mode_switches]
+    assert [m for _, m in switches] == ["local", "local"], opt.mode_switches
+    assert "local steps through sparseloco" in opt.mode_switches[1][2], opt.mode_switches
+    everyone = hvd.allgather_object(switches)
+    assert all(x == everyone[0] for x in everyone), everyone
+    assert "sparseloco" in opt.route
+    # the residuals THC left are SparseLoCo's: the same names and sizes, no new ones
+    assert keys[12] and keys[12] == keys[39], keys
+    saved = opt.state_dict()
+    assert saved["stella_mode"]["pseudo"] == "sparseloco 5 % 2 bits", saved["stella_mode"]
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+    other_model = _model()
+    other = make(other_model)
+    other.load_state_dict(saved)
+    assert other.mode == "local" and other._tuner.pseudo is other._tuner.rungs[1]
+    assert other._outer.exchange.comp is other._tuner.rungs[1]
+    with pytest.raises(ValueError, match="not one of this optimizer's rungs"):
+        other.load_state_dict(dict(saved, stella_mode=dict(saved["stella_mode"], pseudo="thc 2 bits")))
+    for kw, match in ((dict(compression=hvd.Compression.topk(0.1)), "pass modes=\\('sync', 'local'\\)"),
+                      (dict(compression=hvd.Compression.topk(0.1), local_steps=hvd.LocalSteps(
+                          every=2, compression=hvd.Compression.fp16), adjuster_modes=True), "given twice")):
+        modes = kw.pop("adjuster_modes", False)
+        adjuster = hvd.Adjuster(modes=("sync", "local") if modes else (), pseudo_rungs=rungs)
+        with pytest.raises(ValueError, match=match):
+            hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), adjuster=adjuster, **kw)
 
 
 def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():

@@ -8,7 +8,7 @@ import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
 from stella_mpi.adjust.local_steps_rule import smallest_fitting
-from stella_mpi.adjust.mode_rule import ModeRule, local_backlog_shape, local_step_time
+from stella_mpi.adjust.mode_rule import ModeRule, PseudoRung, local_backlog_shape, local_step_time
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -25,7 +25,11 @@ def rule(settings, pseudo_bytes=0.5, pseudo_backlog=0.0, density=0.01):
     """A ModeRule over the controller at ``density``; the pseudo-gradient costs ``pseudo_bytes``
     per entry (THC 4 bits between two clusters is about that) and holds ``pseudo_backlog`` back."""
     ctrl = Controller(settings, density=density)
-    return ModeRule(settings, ctrl, 2, pseudo_bytes, lambda est: pseudo_backlog), ctrl
+    return ModeRule(settings, ctrl, 2, [one_rung(pseudo_bytes, pseudo_backlog)]), ctrl
+
+
+def one_rung(per_entry=0.5, backlog=0.0, name="thc 4 bits"):
+    return PseudoRung(name, per_entry, lambda est: backlog)
 
 
 def test_the_local_shape_is_zero_at_h1_and_grows_with_the_wait():
@@ -178,11 +182,118 @@ def test_with_the_measured_link_the_exchange_follows_the_link():
     for rate, want, every in ((20 * MBIT, 0.002 + 8 * 0.5e6 / (20 * MBIT) + 0.004, 32),
                               (1000 * MBIT, 0.002 + 0.004 + 0.004, 1)):
         ctrl = Controller(s, density=0.01)
-        r = ModeRule(s, ctrl, 2, 0.5, lambda est: 0.0, link_bps=rate)
+        r = ModeRule(s, ctrl, 2, [one_rung()], link_bps=rate)
         est = dataclasses.replace(estimate(rate), cpu_s=0.004)
         assert r._predicted_exchange(est) == pytest.approx(want)
         assert local_step_time(est) == pytest.approx(0.056)   # compute 50 ms + fixed 10 ms - selection 4 ms
         r.after_sync(est)
         assert r.predicted_every == every == smallest_fitting(s.local_steps, s.target, 0.056, want)
-    assert ModeRule(s, Controller(s, density=0.01), 2, 0.5, lambda est: 0.0, link_bps=20 * MBIT).predicted_every \
+    assert ModeRule(s, Controller(s, density=0.01), 2, [one_rung()], link_bps=20 * MBIT).predicted_every \
         is None
+
+
+# ---------------- the pseudo-gradient's rung (Adjuster(pseudo_rungs=...), the automatic route's)
+
+def rungs_of(compressors, nclusters=2, kappa_thc=1.0):
+    """The rungs ModeSwitch builds from ``compressors``: their wire bytes per entry as the routes
+    count them, the backlog as the controller counts it for the same synchronous rung."""
+    from stella_mpi.optim.tuning import _backlog_of, _comp_name, payload_per_entry
+    s = Adjuster(modes=("sync", "local"), window=1)
+    ctrl = Controller(s, density=0.01)
+    return [PseudoRung(_comp_name(c), payload_per_entry(c, nclusters), _backlog_of(ctrl, c)) for c in compressors]
+
+
+def auto_rule(rate, window=1):
+    from stella_mpi.optim.tuning import auto_pseudo_rungs
+    s = Adjuster(modes=("sync", "local"), window=window, min_density=0.01, max_density=0.01)
+    ctrl = Controller(s, density=0.01)
+    return ModeRule(s, ctrl, 2, rungs_of(auto_pseudo_rungs()), link_bps=rate), s
+
+
+def test_the_rung_entering_local_steps_follows_the_link():
+    """Entering local steps the rule scores each rung at the H its exchange needs: THC 4 bits
+    where the link carries it at a short H, SparseLoCo's 2-bit top-k where even H=64 cannot hide
+    THC's half a byte per entry (2 Mbit/s: 2 s per exchange), its smaller H outweighing what it
+    holds back."""
+    chosen = {}
+    for rate in (2 * MBIT, 1000 * MBIT):
+        r, s = auto_rule(rate)
+        est = dataclasses.replace(estimate(rate), cpu_s=0.004, backlog_kappa_thc=1.0)
+        while r.mode == "sync":
+            mode, why = r.after_sync(est)
+        chosen[rate] = (r.rung.name, r.predicted_every)
+        step = local_step_time(est)
+        want = min(range(3), key=lambda i: r.local_score(est, step, r._predicted_exchange(est, i), smallest_fitting(
+            s.local_steps, s.target, step, r._predicted_exchange(est, i)), i))
+        assert r.pseudo_index == want, why
+        assert r.predicted_every == smallest_fitting(s.local_steps, s.target, step, r._predicted_exchange(est, want))
+        assert ("pseudo-gradient %s" % r.rung.name) in why, why
+    assert chosen[1000 * MBIT][0] == "thc 4 bits"
+    assert chosen[2 * MBIT][0].startswith("sparseloco"), chosen
+    assert chosen[2 * MBIT][1] < 64      # THC would need more than the ladder's longest period
+
+
+def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
+    """THC's exchange measured at 2 s (the link fell to 2 Mbit/s): SparseLoCo's, predicted from it
+    by the payloads' ratio, wins; after the dead band (two votes) the rule takes it, mode still
+    local, at the H it predicts."""
+    r, s = auto_rule(1000 * MBIT)
+    est = dataclasses.replace(estimate(1000 * MBIT), cpu_s=0.004, backlog_kappa_thc=1.0)
+    while r.mode == "sync":
+        r.after_sync(est)
+    assert r.rung.name == "thc 4 bits"
+    slow = 0.002 + 0.004 + 8 * 0.5e6 / (2 * MBIT)   # THC's 0.5 MB per exchange at 2 Mbit/s
+    outcomes = [r.after_local(0.056, slow, 64) for _ in range(3)]
+    assert [m for m, _ in outcomes] == ["local"] * 3
+    assert outcomes[1][1].startswith("steady") and "sparseloco" in outcomes[1][1]
+    assert outcomes[2][1].startswith("local steps through sparseloco"), outcomes[2][1]
+    assert r.rung.name.startswith("sparseloco") and r.mode == "local"
+    moved = slow - 0.002 - 0.004
+    thc = r.pseudo[0].payload_per_entry   # (about 0.5 bytes per entry between two clusters)
+    x = 0.006 + moved * r.rung.payload_per_entry / thc
+    assert r.predicted_every == smallest_fitting(s.local_steps, s.target, 0.056, x)
+
+
+def test_a_rung_inside_the_dead_band_is_not_taken():
+    """Two rungs of the same cost but for a little payload: the other one never wins by h/2."""
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=1.0, max_density=1.0, backlog_cost=0.0)
+    ctrl = Controller(s, density=1.0)
+    r = ModeRule(s, ctrl, 2, [one_rung(0.50, name="a"), one_rung(0.45, name="b")], link_bps=100 * MBIT)
+    r.take("local", estimate(100 * MBIT))
+    for _ in range(6):
+        mode, why = r.after_local(0.056, 0.05, 8)
+        assert mode == "local" and r.rung.name == "a", why
+
+
+def test_pseudo_rungs_are_validated():
+    from stella_mpi import Compression
+    ok = Adjuster(pseudo_rungs=[Compression.thc(bits=4), Compression.sparseloco(0.01)])
+    assert isinstance(ok.pseudo_rungs, tuple) and len(ok.pseudo_rungs) == 2
+    with pytest.raises(ValueError, match="THC or sparse"):
+        Adjuster(pseudo_rungs=(Compression.fp16,))
+    with pytest.raises(ValueError, match="coefficients"):
+        Adjuster(pseudo_rungs=(Compression.dct(0.01),))
+    with pytest.raises(ValueError, match="same compression twice"):
+        Adjuster(pseudo_rungs=(Compression.sparseloco(0.01), Compression.sparseloco(0.01)))
+    with pytest.raises(ValueError, match="tuple"):
+        Adjuster(pseudo_rungs=Compression.sparseloco(0.01))
+
+
+def test_a_checkpoint_names_its_rung():
+    from stella_mpi.optim.tuning import checked_mode
+    rungs = ["thc 4 bits", "sparseloco 1 % 2 bits decay 0.95"]
+    assert checked_mode({"mode": "local", "sync_estimate": None, "pseudo": rungs[1]}, rungs) == ("local", None, 1)
+    assert checked_mode({"mode": "sync", "sync_estimate": None}, rungs) == ("sync", None, None)   # (before the rungs)
+    with pytest.raises(ValueError, match="'topk 1 %' which is not one of|not one of this optimizer's rungs"):
+        checked_mode({"mode": "local", "sync_estimate": None, "pseudo": "topk 1 %"}, rungs)
+
+
+def test_the_automatic_route_steps_a_sparse_rung_by_the_clusters_sum():
+    """bench/bench_parity.py (4 seeds, SparseLoCo 1 %): averaging halves an entry one cluster sent
+    (+4.6 %), Nesterov's momentum over error feedback overshoots (+16 %), the sum is level (+0.15 %)."""
+    from stella_mpi import Compression
+    from stella_mpi.optim.tuning import auto_outer_of, auto_pseudo_rungs
+    thc, sparse1, sparse3 = auto_pseudo_rungs()
+    assert auto_outer_of(thc, 2) == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert auto_outer_of(sparse1, 3) == auto_outer_of(sparse3, 3) == {"lr": 3.0, "momentum": 0.0, "nesterov": False}
+    assert auto_outer_of(Compression.topk(0.01), 2)["lr"] == 2.0
