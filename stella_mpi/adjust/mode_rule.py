@@ -22,7 +22,8 @@ equal steps on the byte-level LM, local 8 and local 16 with THC 4-bit pseudo-gra
 top-k with momentum correction +0.6 %, cache-aware blocks +4.8 %: bench/bench_parity.py. The
 shape charges local steps less than sparse rungs of the same wait, as those numbers say.)
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
-it for the synchronous rung of that compression (a sparse density, THC bits; none and fp16: 0).
+it for the synchronous rung of that compression: THC bits' shape; a sparse density's times
+``PSEUDO_SPARSE_EVERY / H`` (optim/tuning.py: calibrated on the byte LM; none and fp16: 0).
 
 What each side is predicted from:
 
@@ -99,7 +100,7 @@ class PseudoRung:
     """One compression the pseudo-gradient may cross the WAN with (``Adjuster(pseudo_rungs=...)``).
 
     ``name``: as the logs write it; ``payload_per_entry``: wire bytes one rank sends per shard
-    entry; ``backlog(est)``: what it holds back, in the controller's unit (the backlog the
+    entry; ``backlog(est, every)``: what it holds back at H = ``every``, in the controller's unit (the backlog the
     synchronous rung of that compression leaves: a sparse density's, THC bits')."""
     name: str
     payload_per_entry: float
@@ -151,7 +152,7 @@ class ModeRule:
 
     def local_score(self, est, step_s, exchange_s, every, rung=None):
         r = self.rung if rung is None else self.pseudo[rung]
-        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + r.backlog(est)
+        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + r.backlog(est, every)
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
 
     def sync_score(self, est):

@@ -29,7 +29,7 @@ def rule(settings, pseudo_bytes=0.5, pseudo_backlog=0.0, density=0.01):
 
 
 def one_rung(per_entry=0.5, backlog=0.0, name="thc 4 bits"):
-    return PseudoRung(name, per_entry, lambda est: backlog)
+    return PseudoRung(name, per_entry, lambda est, every: backlog)
 
 
 def test_the_local_shape_is_zero_at_h1_and_grows_with_the_wait():
@@ -297,3 +297,21 @@ def test_the_automatic_route_steps_a_sparse_rung_by_the_clusters_sum():
     assert auto_outer_of(thc, 2) == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
     assert auto_outer_of(sparse1, 3) == auto_outer_of(sparse3, 3) == {"lr": 3.0, "momentum": 0.0, "nesterov": False}
     assert auto_outer_of(Compression.topk(0.01), 2)["lr"] == 2.0
+
+
+def test_a_sparse_pseudo_gradient_holds_back_more_at_a_short_h():
+    """PSEUDO_SPARSE_EVERY / H of the synchronous rung's backlog: equal at H = 8, four times that
+    at H = 2 (its residual decays at every exchange), an eighth at H = 64; THC's does not depend on H."""
+    from stella_mpi import Compression
+    from stella_mpi.optim.tuning import PSEUDO_SPARSE_EVERY, pseudo_backlog
+    s = Adjuster(modes=("sync", "local"))
+    ctrl = Controller(s, density=0.01)
+    est = dataclasses.replace(estimate(100 * MBIT, kappa=0.5), backlog_kappa_thc=1.0)
+    sparse, thc = Compression.sparseloco(0.01), Compression.thc(bits=4)
+    sync = ctrl.backlog(est, 0.01)
+    assert sync == pytest.approx(0.5 * math.sqrt(99))
+    assert pseudo_backlog(ctrl, est, sparse, int(PSEUDO_SPARSE_EVERY)) == pytest.approx(sync)
+    assert pseudo_backlog(ctrl, est, sparse, 2) == pytest.approx(sync * PSEUDO_SPARSE_EVERY / 2)
+    assert pseudo_backlog(ctrl, est, sparse, 64) == pytest.approx(sync * PSEUDO_SPARSE_EVERY / 64)
+    assert pseudo_backlog(ctrl, est, thc, 2) == pseudo_backlog(ctrl, est, thc, 64) == pytest.approx(1.0 / 7)
+    assert pseudo_backlog(ctrl, est, Compression.fp16, 8) == 0.0
