@@ -82,6 +82,7 @@ MODES = {
     "localadapt+thc": ["--mode", "localadapt:thc", "--bits", "4"],
     "switch": ["--mode", "switch:{c}", "--density", "0.01", "--bits", "4"],
     "auto": ["--mode", "auto"],   # the untouched Horovod script: the automatic route
+    "auto:thc": ["--mode", "auto:thc"],   # the same, its pseudo-gradient THC 4 bits alone (before issue 31's rungs)
     "cpu1": ["--mode", "cpu:{c}", "--density", "0.01"],   # the CPU engine with its defaults
     # torchft's peers (bench/torchft_peer.py): DiLoCo every 8 steps, and Streaming DiLoCo (2 fragments,
     # one synchronized every 4 steps, overlapped with 3 inner steps: its best of 1 and 3 at 100 Mbit/s),
@@ -104,6 +105,7 @@ MODES = {
     # fragments (4 per period, each exchange in flight for one step) with THC or SparseLoCo
     "local8+sparseloco": ["--mode", "local:8:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay",
                           "0.95"],
+    "sum8+sparseloco": ["--mode", "sum:8:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay", "0.95"],
     "local8+f4+thc": ["--mode", "local:8:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "1"],
     "local32+f4+sparseloco": ["--mode", "local:32:sparseloco", "--density", "0.01", "--bits", "2",
                               "--feedback-decay", "0.95", "--fragments", "4", "--fragment-delay", "1"],

@@ -3,8 +3,10 @@ the same model, data, seed and steps under PyTorch DDP (gloo, flat over all rank
 users have today; "powersgd" and "postlocal:H" add torch's PowerSGD hook and post-local SGD) or
 under stella_mpi (dense hierarchical, sparse with a compressor, the CPU engine, a sparse
 compressor whose density the adjuster re-tunes: "adapt:<compressor>", "cpuadapt:<compressor>",
-or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]", "localadapt[:<compressor>]" (H chosen
-by the adjuster, step-time objective with --target); <compressor> "thc" takes --bits).
+or local steps: "local:H[:<compressor>]", "diloco:H[:<compressor>]", "sum:H[:<compressor>]" (outer
+"sum"), "localadapt[:<compressor>]" (H chosen by the adjuster, step-time objective with --target);
+<compressor> "thc" takes --bits; "auto:thc" is the automatic route with THC 4 bits as its only
+pseudo-gradient rung).
 
 Launched by stellarun (usually with --wan RATE); rank 0 writes the per-step records to --out.
 Mode "compute" trains each rank on its own with no exchange at all: the compute time alone,
@@ -193,14 +195,19 @@ def main():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         kind, _, comp_name = args.mode.partition(":")
         local_steps = None
-        if kind in ("local", "diloco"):   # local:H[:compressor]: model averaging or DiLoCo's outer Nesterov
+        if kind in ("local", "diloco", "sum"):   # local:H[:compressor]: model averaging, DiLoCo's outer
+            # Nesterov, or the clusters' sum (SparseLoCo's sparse pseudo-gradients)
             every, _, comp_name = comp_name.partition(":")
-            local_steps = hvd.LocalSteps(every=int(every), outer="average" if kind == "local" else "nesterov",
+            local_steps = hvd.LocalSteps(every=int(every), outer={"local": "average"}.get(kind, "nesterov" if kind ==
+                                                                                          "diloco" else "sum"),
                                          overlap=args.overlap, fragments=args.fragments, delay=args.fragment_delay)
         adjuster = None
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
             local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)
             adjuster = hvd.Adjuster(objective="step_time", target=args.target)
+        if kind == "auto" and comp_name == "thc":   # auto:thc: the automatic route with the previous release's
+            # pseudo-gradient, THC 4 bits alone (the adjuster chooses H and the mode, not the rung)
+            adjuster, comp_name = hvd.Adjuster(pseudo_rungs=(hvd.Compression.thc(bits=4),)), ""
         if kind == "switch":   # switch:<compressor>: the adjuster moves between the sparse route and local steps
             local_steps = hvd.LocalSteps(every=1, compression=hvd.Compression.thc(bits=args.bits))
             adjuster = hvd.Adjuster(modes=("sync", "local"), min_density=args.min_density,
