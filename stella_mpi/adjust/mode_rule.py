@@ -23,7 +23,8 @@ top-k with momentum correction +0.6 %, cache-aware blocks +4.8 %: bench/bench_pa
 shape charges local steps less than sparse rungs of the same wait, as those numbers say.)
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
 it for the synchronous rung of that compression: THC bits' shape; a sparse density's times
-``PSEUDO_SPARSE_EVERY / H`` (optim/tuning.py: calibrated on the byte LM; none and fp16: 0).
+``sparse_pseudo_factor(H)``, least at H = 8 (optim/tuning.py: calibrated on the byte LM; none
+and fp16: 0).
 
 What each side is predicted from:
 

@@ -286,6 +286,32 @@ def _backlog_of(controller, comp):
     return lambda est: pseudo_backlog(controller, est, comp)
 
 
+# A sparse pseudo-gradient at H = every holds back sparse_pseudo_factor(every) times what the
+# synchronous rung of its density holds back: least at H = PSEUDO_SPARSE_EVERY, more on either
+# side. A short H exchanges often, and the residual decays at every exchange (feedback_decay), on
+# a pseudo-gradient of few steps: PSEUDO_SPARSE_EVERY / H. A long H makes an entry wait about 1/d
+# exchanges, H/d steps: sqrt(H / PSEUDO_SPARSE_EVERY), the wait's square root as in the sparse
+# backlog's shape. Calibrated on the byte LM of bench/bench_time_to_loss.py (as backlog_cost
+# was), one run per rate of the automatic route and of each rung fixed: with 8, the rule chooses
+# the rung that reached the lower loss in 40 s at 5, 20 and 100 Mbit/s and 1 Gbit/s (SparseLoCo
+# at H <= 8 on the slow links, THC 4 bits at 100 Mbit/s and 1 Gbit/s; 6.5 to 10 agree on all
+# four, with thin margins at 20 Mbit/s and 1 Gbit/s). At equal steps on bench/bench_parity.py's
+# smaller LM, SparseLoCo 1 % (outer sum, seed 0) cost +1.0, +1.2, +2.9 and +6.4 % at H = 2, 8, 32
+# and 64 where THC 4 bits cost 0.0, 0.9 and 1.4 % at H = 8, 32 and 64.
+PSEUDO_SPARSE_EVERY = 8.0
+
+
+def sparse_pseudo_factor(every):
+    """How much more than the synchronous rung of its density a sparse pseudo-gradient holds back
+    at H = ``every`` (1 at ``PSEUDO_SPARSE_EVERY``)."""
+    every = max(int(every), 1)
+    return max(PSEUDO_SPARSE_EVERY / every, math.sqrt(every / PSEUDO_SPARSE_EVERY))
+
+
+def _backlog_of(controller, comp):
+    return lambda est: pseudo_backlog(controller, est, comp)
+
+
 # A sparse pseudo-gradient at H = every holds back PSEUDO_SPARSE_EVERY / every times what the
 # synchronous rung of its density holds back. Its residual decays by feedback_decay at each
 # exchange, and a short H both exchanges often (the decay drops more of it per step) and sends a
@@ -305,12 +331,12 @@ def _backlog_of(controller, comp):
 
 def pseudo_backlog(controller, est, comp, every=1):
     """The backlog ``comp`` leaves on the pseudo-gradient at H = ``every``: a THC rung's as the
-    controller counts it; a sparse rung's ``PSEUDO_SPARSE_EVERY / every`` times the synchronous
+    controller counts it; a sparse rung's :func:`sparse_pseudo_factor` times the synchronous
     rung's of its density (none, fp16 and bf16 leave none)."""
     if getattr(comp, "homomorphic", False):
         return controller.backlog(est, 1.0, comp.bits)
     if getattr(comp, "sparse", False):
-        return PSEUDO_SPARSE_EVERY / max(int(every), 1) * controller.backlog(est, comp.density)
+        return sparse_pseudo_factor(every) * controller.backlog(est, comp.density)
     return 0.0
 
 

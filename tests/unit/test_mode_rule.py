@@ -299,19 +299,22 @@ def test_the_automatic_route_steps_a_sparse_rung_by_the_clusters_sum():
     assert auto_outer_of(Compression.topk(0.01), 2)["lr"] == 2.0
 
 
-def test_a_sparse_pseudo_gradient_holds_back_more_at_a_short_h():
-    """PSEUDO_SPARSE_EVERY / H of the synchronous rung's backlog: equal at H = 8, four times that
-    at H = 2 (its residual decays at every exchange), an eighth at H = 64; THC's does not depend on H."""
+def test_a_sparse_pseudo_gradient_holds_back_least_at_h8():
+    """sparse_pseudo_factor(H) of the synchronous rung's backlog: 1 at H = 8, 8/H below (its
+    residual decays at every exchange), sqrt(H/8) above (an entry waits 1/d exchanges of H steps);
+    THC's does not depend on H."""
     from stella_mpi import Compression
-    from stella_mpi.optim.tuning import PSEUDO_SPARSE_EVERY, pseudo_backlog
+    from stella_mpi.optim.tuning import pseudo_backlog, sparse_pseudo_factor
     s = Adjuster(modes=("sync", "local"))
     ctrl = Controller(s, density=0.01)
     est = dataclasses.replace(estimate(100 * MBIT, kappa=0.5), backlog_kappa_thc=1.0)
     sparse, thc = Compression.sparseloco(0.01), Compression.thc(bits=4)
     sync = ctrl.backlog(est, 0.01)
     assert sync == pytest.approx(0.5 * math.sqrt(99))
-    assert pseudo_backlog(ctrl, est, sparse, int(PSEUDO_SPARSE_EVERY)) == pytest.approx(sync)
-    assert pseudo_backlog(ctrl, est, sparse, 2) == pytest.approx(sync * PSEUDO_SPARSE_EVERY / 2)
-    assert pseudo_backlog(ctrl, est, sparse, 64) == pytest.approx(sync * PSEUDO_SPARSE_EVERY / 64)
+    assert [sparse_pseudo_factor(h) for h in (1, 2, 8, 32, 64)] == pytest.approx([8, 4, 1, 2, math.sqrt(8)])
+    assert min(range(1, 200), key=sparse_pseudo_factor) == 8
+    assert pseudo_backlog(ctrl, est, sparse, 8) == pytest.approx(sync)
+    assert pseudo_backlog(ctrl, est, sparse, 2) == pytest.approx(4 * sync)
+    assert pseudo_backlog(ctrl, est, sparse, 32) == pytest.approx(2 * sync)
     assert pseudo_backlog(ctrl, est, thc, 2) == pseudo_backlog(ctrl, est, thc, 64) == pytest.approx(1.0 / 7)
     assert pseudo_backlog(ctrl, est, Compression.fp16, 8) == 0.0
