@@ -282,10 +282,6 @@ def payload_per_entry(comp, nclusters):
     return allreduce_bytes(width * n, nclusters) / n
 
 
-def _backlog_of(controller, comp):
-    return lambda est: pseudo_backlog(controller, est, comp)
-
-
 # A sparse pseudo-gradient at H = every holds back sparse_pseudo_factor(every) times what the
 # synchronous rung of its density holds back: least at H = PSEUDO_SPARSE_EVERY, more on either
 # side. A short H exchanges often, and the residual decays at every exchange (feedback_decay), on
@@ -306,23 +302,6 @@ def sparse_pseudo_factor(every):
     at H = ``every`` (1 at ``PSEUDO_SPARSE_EVERY``)."""
     every = max(int(every), 1)
     return max(PSEUDO_SPARSE_EVERY / every, math.sqrt(every / PSEUDO_SPARSE_EVERY))
-
-
-def _backlog_of(controller, comp):
-    return lambda est: pseudo_backlog(controller, est, comp)
-
-
-# A sparse pseudo-gradient at H = every holds back PSEUDO_SPARSE_EVERY / every times what the
-# synchronous rung of its density holds back. Its residual decays by feedback_decay at each
-# exchange, and a short H both exchanges often (the decay drops more of it per step) and sends a
-# pseudo-gradient of few steps; a long H sends the sum of many. Calibrated on the byte LM of
-# bench/bench_time_to_loss.py (as backlog_cost was), from one run per rate of the automatic route
-# and of each rung fixed: 8 makes the rule choose the rung that reached the lower loss in 40 s at
-# 5, 20 and 100 Mbit/s and 1 Gbit/s (SparseLoCo at 5 and 20, THC 4 bits at 100 Mbit/s and
-# 1 Gbit/s; between 6.5 and 10 all four agree, thin margins at 20 Mbit/s and 1 Gbit/s). At
-# equal steps on a smaller LM (bench/bench_parity.py) SparseLoCo 1 % cost +0.7 % at H=2 and
-# +0.3 % at H=8 (2 seeds; +0.15 % over 4 at H=8): the same order.
-PSEUDO_SPARSE_EVERY = 8.0
 
 
 def _backlog_of(controller, comp):
