@@ -14,11 +14,12 @@ predicted and measured counters of every rank and step, and ``match``.
 The model (:func:`build_model`) is chosen so that buckets, shards and the tree's 64 KiB
 threshold all matter: float32 parameters of 589824, 2304, 589824, 256, 8192 and 32 elements
 make 4 buckets at 1 MiB (one of three parameters); at 16 ranks in 8 clusters the large shards
-cross by the tree during the density warm-up (25 % -> k*8 bytes >= 64 KiB) and by the all-gather
-at 1 %, and one bucket's shard is below 16/density (selected by the exact top-k, random-k
-included). Every element count is a multiple of 32, and a gradient hook zeroes one entry in 16
-(index % 16 == 15) of every gradient: no aligned 16-block of any shard is ever wholly selected,
-so the codec never sends block ids (the one data-dependent part of a top-k payload's size, see
+cross by the tree during the density warm-up (25 % -> k*8 bytes >= 64 KiB) and by the
+all-gather at 1 %, and one bucket's shard is below 16/density (selected by the exact top-k,
+random-k included). Every element count is a multiple of 32, and a gradient hook zeroes one
+entry in 16 (index % 16 == 15) of every gradient (and so, under plain SGD, of every
+pseudo-gradient): no aligned 16-block of any shard is ever wholly selected, so the codec never
+sends block ids (the one data-dependent part of a top-k or SparseLoCo payload's size, see
 wire.py). fp16's bucket pairs exceed the threshold even at 16 bits: the collective thread never
 fuses two of them (which would depend on timing).
 """
@@ -50,6 +51,11 @@ def routes():
         ("thc-4bit", Route("thc", bits=4), 2),
         ("local-H2-thc4", Route("local", every=2, pseudo=Route("thc", bits=4)), 4),
         ("local-H2-dense", Route("local", every=2), 4),
+        ("local-H2-sparseloco1", Route("local", every=2, pseudo=Route("sparse", "sparseloco", 0.01, chunk=4096, bits=2,
+                                                                       feedback_decay=0.95)), 4),
+        # fragments 1, 0, 1 exchanged after steps 2, 4, 6 (blocking: with a delay, the record of the
+        # step after or the next one holds it, as the clusters' timing has it; wire.py)
+        ("local-H4-f2-thc4", Route("local", every=4, fragments=2, pseudo=Route("thc", bits=4)), 8),
     ]
 
 
@@ -87,7 +93,8 @@ def _optimizer(hvd, model, route):
         kw["compression"] = comp
     elif route.kind == "local":
         pseudo = route.pseudo.make_compressor() if route.pseudo is not None else None
-        kw["local_steps"] = hvd.LocalSteps(every=route.every, overlap=route.overlap,
+        kw["local_steps"] = hvd.LocalSteps(every=route.every, overlap=route.overlap, fragments=route.fragments,
+                                           delay=route.delay,
                                            compression=pseudo if pseudo is not None else hvd.Compression.none)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)

@@ -6,6 +6,7 @@ payloads uint8. Results are torch tensors. The C calls release the GIL."""
 import torch
 
 from . import check, ffi, lib
+from . import compress as codec
 from .buffers import pointer
 from .compress import _check_n, _out, _residual_ptr
 
@@ -64,6 +65,23 @@ def quantize(idx, val, n, chunk, bits, residual=None):
     check(lib.stella_chunk_quantize_f32(ip, vp, k, int(n), int(chunk), int(bits), _out(scales), scales.numel(),
                                         _residual_ptr(residual, int(n))), "chunk_quantize")
     return scales
+
+
+def payload_bound(n, chunk, k, bits):
+    """Upper bound of the payload of ``k`` entries of ``n`` (the capacity :func:`encode` gives
+    the C encoder: the index section at 32-bit indices)."""
+    out = ffi.new("int64_t *")
+    check(lib.stella_qpayload_bound(int(n), int(chunk), int(k), int(bits), out), "qpayload_bound")
+    return out[0]
+
+
+def payload_size(n, chunk, k, bits):
+    """Bytes of the payload :func:`encode` writes for ``k`` entries of ``n`` that hold no whole
+    aligned 16-block (the codec's block ids, its ``mixed`` scheme, would send such a selection
+    smaller): the C's bound with its 32-bit index section replaced by the one the codec's
+    ``auto`` scheme picks (:func:`.compress.choose_scheme`)."""
+    u32 = codec.payload_size(n, k, 0, "u32", "none")
+    return payload_bound(n, chunk, k, bits) - u32 + codec.payload_size(n, k, 0, codec.choose_scheme(n, k), "none")
 
 
 def encode(idx, val, scales, n, chunk, bits):

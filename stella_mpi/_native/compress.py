@@ -175,9 +175,12 @@ def randomk_select(grad, k, key, residual=None):
 # ------------------------------------------------------------------ codec
 
 def payload_size(n, entries, nblocks, scheme, value_dtype="float32"):
+    """Bytes of a payload of ``entries`` in ``scheme`` (``nblocks`` whole blocks for the block
+    schemes); ``value_dtype`` "none": the index section of a quantised payload (:mod:`.chunked`)."""
+    code = lib.STELLA_VAL_NONE if value_dtype == "none" else VALUE_DTYPES[value_dtype_name(value_dtype)]
     out = ffi.new("int64_t *")
-    check(lib.stella_payload_size(int(n), int(entries), int(nblocks), SCHEMES[scheme],
-                                  VALUE_DTYPES[value_dtype_name(value_dtype)], out), "stella_payload_size")
+    check(lib.stella_payload_size(int(n), int(entries), int(nblocks), SCHEMES[scheme], code, out),
+          "stella_payload_size")
     return out[0]
 
 

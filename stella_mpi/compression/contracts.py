@@ -288,7 +288,8 @@ class SparseCompressor(Compressor):
 
     implicit_indices = False   # payloads whose indices a random-k key implies (random-k only)
     # whether a payload's size follows from (numel, k) alone: every selection has exactly k entries
-    # (the planner, stella_mpi/plan/wire.py, sizes it without data; else it needs the selections)
+    # (the planner, stella_mpi/plan/wire.py, sizes it without data; else it needs the selections);
+    # a compressor with a payload format of its own sizes it with ``payload_size(numel, k)``
     payload_from_sizes = False
 
     def _expected_key(self, ctx, numel):

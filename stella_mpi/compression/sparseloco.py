@@ -44,7 +44,7 @@ def check_bits(bits, who="sparseloco", allow_none=False):
 class SparseLoCoCompressor(SparseCompressor):
     """Chunked top-k with values quantised per chunk (the module's documentation)."""
     name = "sparseloco"
-    payload_from_sizes = False
+    payload_from_sizes = True   # k_for(n) entries in every selection; payload_size sizes its own format
     float_values = False   # whether bits=None (values sent as float32, today's codec) is allowed
     chunk_max = kernels.CHUNK_MAX
 
@@ -89,6 +89,14 @@ class SparseLoCoCompressor(SparseCompressor):
         if self.bits is None:
             return 6.0
         return 2.0 + self.bits / 8.0 + 8.0 / self.per_chunk
+
+    def payload_size(self, numel, k):
+        """Bytes of :meth:`encode`'s payload of ``k`` entries of a tensor of ``numel`` holding no
+        whole aligned 16-block (which the codec would send smaller, as block ids): the planner's
+        size from sizes alone (stella_mpi/plan/wire.py ``sized_payload``)."""
+        if self.bits is None:
+            return codec.payload_size(numel, k, 0, codec.choose_scheme(numel, k), "float32")
+        return kernels.payload_size(numel, self.chunk, k, self.bits)
 
     # ---------------- the three contracts
 

@@ -28,7 +28,8 @@ import torch
 __all__ = ["KernelCosts", "measure", "merged_entries", "WINDOW", "SPARSE_COMPRESSORS"]
 
 WINDOW = 4096   # c_src/merge.c's window of indices
-SPARSE_COMPRESSORS = ("topk", "cacheaware")
+# measured at density 1 % and each compressor's defaults (sparseloco: chunks of 4096, 2 bits)
+SPARSE_COMPRESSORS = ("topk", "cacheaware", "sparseloco")
 
 
 def merged_entries(shard_elements, entries, lists):
@@ -88,8 +89,10 @@ class KernelCosts:
         """{part: seconds} of one rank's sparse step on one shard: select, encode, decode,
         merge, reselect (tree), scatter."""
         if compressor not in self.select_s_per_element:
-            raise ValueError("no measured costs for compressor %r; measured: %s"
-                             % (compressor, ", ".join(sorted(self.select_s_per_element))))
+            raise ValueError("no measured costs for compressor %r; measured: %s (kernel_costs.measure covers %s: "
+                             "calibrate again to measure a compressor an older calibration lacks)"
+                             % (compressor, ", ".join(sorted(self.select_s_per_element)),
+                                ", ".join(SPARSE_COMPRESSORS)))
         if algorithm not in ("allgather", "tree"):
             raise ValueError("algorithm must be 'allgather' or 'tree', got %r" % (algorithm,))
         n, k, c = float(shard_elements), float(entries), int(nclusters)

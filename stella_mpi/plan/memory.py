@@ -18,8 +18,8 @@ from the runtime's own allocation rules (no tensor is allocated here):
   copy and, from 3 clusters on, the ``gather`` scratch that holds every cluster's 16-bit shard
   (C times a shard: comm/hierarchy.py ``_cross_reduce_host``);
 * local steps (``hvd.LocalSteps``): the anchor (a copy of every parameter, in the parameters'
-  dtype), the outer optimizer's state (Nesterov: one momentum buffer per parameter; "average":
-  none), the pseudo-gradients (a new tensor per parameter at each exchange) and the pseudo
+  dtype), the outer optimizer's state (Nesterov: one momentum buffer per parameter; "average"
+  and "sum": none), the pseudo-gradients (a new tensor per parameter at each exchange) and the pseudo
   route's own buffers for the buckets its exchange uses (optim/tuning.py
   pseudo_gradient_exchange cuts it by the fusion threshold in parameter order;
   ``pseudo_bucket_bytes=0`` prices the single fused buffer of the whole model it used before);
@@ -106,8 +106,8 @@ def route_memory(route, cluster_sizes, param_numels, fusion_bytes=None, device="
         out["anchor"] = param_bytes * total
         if outer == "nesterov":
             out["outer_momentum"] = param_bytes * total
-        elif outer != "average":
-            raise ValueError("outer must be 'nesterov' or 'average', got %r" % (outer,))
+        elif outer not in ("average", "sum"):   # plain SGD steps: no state
+            raise ValueError("outer must be 'nesterov', 'average' or 'sum', got %r" % (outer,))
         out["pseudo_gradient"] = 4 * total
         pseudo = _field(route, "pseudo") or {"kind": "thc", "bits": 4}
         pk = _field(pseudo, "kind")

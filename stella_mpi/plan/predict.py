@@ -194,16 +194,25 @@ def _payload_for(w, param_numels, fusion_bytes, measured):
 
 
 
-def traffic_of(route, sizes, param_numels, fusion_bytes=None, payload=None, step=None):
-    """Each rank's counters summed over one period (H steps of local steps, else one step), in
-    steady state (past the density warm-up), or at optimizer step ``step``; ``payload``: the
-    wire model's callable for a data-dependent compressor (:func:`_payload_for`)."""
+def period_traffic(route, sizes, param_numels, fusion_bytes=None, payload=None, step=None):
+    """[each rank's counters] of every step of one period (H steps of local steps, else one
+    step), in steady state (past the density warm-up), or from optimizer step ``step``;
+    ``payload``: the wire model's callable for a data-dependent compressor (:func:`_payload_for`)."""
     w = route.wire
     every = w.every if w.kind == "local" else 1
     base = STEADY - STEADY % every if step is None else step
-    steps = [wire.step_traffic(w, sizes, param_numels, fusion_bytes=fusion_bytes, step=base + s, payload=payload)
-             for s in range(every)]
+    return [wire.step_traffic(w, sizes, param_numels, fusion_bytes=fusion_bytes, step=base + s, payload=payload)
+            for s in range(every)]
+
+
+def summed(steps):
+    """Each rank's counters summed over ``steps`` (:func:`period_traffic`)."""
     return [{k: sum(step[r][k] for step in steps) for k in wire.COUNTED} for r in range(len(steps[0]))]
+
+
+def traffic_of(route, sizes, param_numels, fusion_bytes=None, payload=None, step=None):
+    """Each rank's counters summed over one period (:func:`period_traffic`)."""
+    return summed(period_traffic(route, sizes, param_numels, fusion_bytes, payload, step))
 
 
 def _compute(machine, layout, oversub, measured):
@@ -290,13 +299,12 @@ class _Prediction:
                 max(t["elements"] for t in self.calib_traffic), 1)
         return cpu * self.oversub[self.worst]
 
-    def at(self, step):
-        """The prediction with the traffic of optimizer step ``step`` (None: steady state)."""
-        route, layout = self.route, self.layout
-        traffic = traffic_of(route, layout.sizes, self.params, self.fusion, self.payload, step)
-        ranks = layout.ranks()
+    def _uplink(self, traffic):
+        """(bytes, goodput) of the busiest cluster uplink under ``traffic``: a cluster's uplink
+        carries what its ranks send (and, separately, what they receive)."""
+        ranks = self.layout.ranks()
         busiest = None
-        for i, c in enumerate(layout.clusters):
+        for i, c in enumerate(self.layout.clusters):
             members = [r for r, (ci, _) in enumerate(ranks) if ci == i]
             nbytes = max(sum(traffic[r]["wan_bytes_sent"] for r in members),
                          sum(traffic[r]["wan_bytes_received"] for r in members))
@@ -304,7 +312,39 @@ class _Prediction:
             t = 8.0 * nbytes / goodput
             if busiest is None or t > busiest[0]:
                 busiest = (t, nbytes, goodput)
-        _, nbytes, link = busiest
+        return busiest[1], busiest[2]
+
+    def _local_exchanges(self, steps, compute):
+        """(exposed seconds, wire seconds, uplink bytes) of local steps' exchanges over one
+        period's ``steps`` (one exchange; F with fragments, one per slot of H/F steps). Each
+        exchange costs its messages' latency, its busiest uplink's bytes (less what a shaper's
+        bucket refilled while the link idled through the slot's local steps) and its CPU work.
+        With a delay it is in flight while the next inner step's forward and backward run: that
+        much of its latency and wire hides, no more, whatever the delay (the collective thread
+        runs one collective at a time: that step's reductions inside the cluster wait behind
+        it); its CPU work is counted in full (the collective thread shares the host with the
+        pass)."""
+        w = self.route.wire
+        idle = w.every // w.fragments * (compute + self.fixed_but_cpu)
+        hidden = compute if w.delay else 0.0
+        exposed = wire_s = total = 0.0
+        for one in steps:
+            if not any(t["wan_messages"] for t in one):
+                continue
+            nbytes, link = self._uplink(one)
+            nbytes = max(nbytes - min(self.layout.burst_bytes, link / 8.0 * idle), 0.0)
+            moving = max(t["wan_messages"] for t in one) * self.latency + 8.0 * nbytes / link
+            exposed += self._cpu(one) + max(moving - hidden, 0.0)
+            wire_s += 8.0 * nbytes / link
+            total += nbytes
+        return exposed, wire_s, total
+
+    def at(self, step):
+        """The prediction with the traffic of optimizer step ``step`` (None: steady state)."""
+        route, layout = self.route, self.layout
+        steps = period_traffic(route, layout.sizes, self.params, self.fusion, self.payload, step)
+        traffic = summed(steps)
+        nbytes, link = self._uplink(traffic)
         messages = max(t["wan_messages"] for t in traffic)
         cpu = self._cpu(traffic)
         compute, latency, every = self.compute, self.latency, self.every
@@ -313,18 +353,19 @@ class _Prediction:
         density = w.density if w.kind == "sparse" else 1.0
         bits = w.bits if w.kind == "thc" else 0
         elements = max(max(t["elements"] for t in traffic), 1)
-        # a shaper's token bucket refills while the link idles (the rest of the step, or a period
-        # of local steps) and lets that much through at once
-        idle = compute + fixed + messages * latency if not self.local else every * (compute + fixed - cpu)
-        nbytes = max(nbytes - min(layout.burst_bytes, link / 8.0 * idle), 0.0)
+        # a shaper's token bucket refills while the link idles (the rest of the step, or the
+        # local steps before an exchange: _local_exchanges) and lets that much through at once
+        if not self.local:
+            idle = compute + fixed + messages * latency
+            nbytes = max(nbytes - min(layout.burst_bytes, link / 8.0 * idle), 0.0)
         est = Estimate(compute_s=compute, fixed_s=fixed, latency_s=latency, messages=messages,
                        bytes_per_density=nbytes / density, bandwidth_bps=link,
                        wan_bandwidth_bps=sum(c.link_bps for c in layout.clusters), step_s=0.0, elements=elements,
                        fixed_thc_s=fixed, cpu_s=cpu)
         if self.local:
-            exchange = messages * latency + 8.0 * nbytes / link + cpu
-            step_s = local_step_time(est) + exchange / every
-            wire_s = 8.0 * nbytes / link / every
+            exposed, wire_s, nbytes = self._local_exchanges(steps, compute)
+            step_s = local_step_time(est) + exposed / every
+            wire_s /= every
         else:
             thc = {bits: nbytes / elements} if bits else {}
             ctl = Controller(AdjusterSettings(thc_bits=(bits,) if bits else ()), overlap=route.overlap,

@@ -132,19 +132,19 @@ def _fmt_s(s):
 
 
 def table_text(result):
-    lines = ["%-16s %9s %5s %11s %7s %10s %8s  %s" % ("route", "step", "util", "WAN MB/step", "steps",
+    lines = ["%-20s %9s %5s %11s %7s %10s %8s  %s" % ("route", "step", "util", "WAN MB/step", "steps",
                                                       "to target", "cost", "note")]
     for r in result["predictions"]:
         t = r.get("to_target") or {}
         seconds = t.get("seconds_with_revocations", t.get("seconds"))
         step = "%.1f ms" % (1e3 * r["step_s"]) if r["step_s"] < 10 else "%.1f s" % r["step_s"]
-        lines.append("%-16s %9s %4.0f%% %11.3f %7s %10s %8s  %s" % (
+        lines.append("%-20s %9s %4.0f%% %11.3f %7s %10s %8s  %s" % (
             r["route"], step, 100 * r["utilisation"], r["wan_bytes_per_step"] / 1e6,
             "%.0f" % t["steps"] if t else "-", _fmt_s(seconds),
             "$%.0f" % t["cost_usd"] if "cost_usd" in t and not math.isinf(t["cost_usd"]) else "-",
             r.get("unreachable") or t.get("revocation_note") or r.get("note", "")))
     for s in result["skipped"]:
-        lines.append("%-16s skipped: %s" % (s["route"], s["why"]))
+        lines.append("%-20s skipped: %s" % (s["route"], s["why"]))
     rec = result["recommendation"]
     if rec:
         lines.append("recommended: %s (%s); batch per GPU %s" % (rec["route"], rec["why"], rec["batch_split"]))

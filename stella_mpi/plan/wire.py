@@ -12,19 +12,25 @@ the dense step's bytes (``comm/hierarchy.py`` ``cross_reduce_bytes``), the spars
 
 API (units: bytes, messages, elements are counts of float entries):
 
-* ``Route(kind, compressor="topk", density=0.01, bits=4, algorithm="auto", every=1,
-  pseudo=None, warmup=None, overlap=False)``: what crosses the WAN. ``kind``: "dense"
-  (Horovod's allreduce, ``STELLA_WAN_ROUTE=dense``), "fp16" (``Compression.fp16``), "sparse"
-  (``Compression.<compressor>(density=..., warmup=...)``; ``warmup`` None: the compressor's
-  default), "thc" (``Compression.thc(bits=...)``), "local" (``LocalSteps(every=...,
-  compression=<pseudo>, overlap=...)``; ``pseudo`` None: dense float32). ``algorithm``:
-  ``STELLA_SPARSE_ALGO`` (auto, allgather, tree).
+* ``Route(kind, compressor="topk", density=0.01, bits=None, algorithm="auto", every=1,
+  pseudo=None, warmup=None, overlap=False, chunk=None, feedback_decay=None, fragments=1,
+  delay=0)``: what crosses the WAN. ``kind``: "dense" (Horovod's allreduce,
+  ``STELLA_WAN_ROUTE=dense``), "fp16" (``Compression.fp16``), "sparse"
+  (``Compression.<compressor>(density=..., warmup=..., bits=..., chunk=...,
+  feedback_decay=...)``; each None: the compressor's default; ``bits``, ``chunk`` and
+  ``feedback_decay`` only for a compressor that takes them: sparseloco, dct), "thc"
+  (``Compression.thc(bits=...)``), "local" (``LocalSteps(every=..., compression=<pseudo>,
+  overlap=..., fragments=..., delay=...)``; ``pseudo`` None: dense float32). A field left None
+  reads as the compressor's own value once the Route is made (``Route("thc").bits == 4``).
+  ``algorithm``: ``STELLA_SPARSE_ALGO`` (auto, allgather, tree).
 * ``step_traffic(route, cluster_sizes, param_numels, *, fusion_bytes=None, step=0,
   payload=None) -> list[dict]``: one dict per world rank (ranks laid out cluster by cluster,
   as ``STELLA_CLUSTERS`` and ``stellarun --clusters`` do) with :data:`COUNTED`, for the
   optimizer's step ``step`` (0-based: the record ``hvd.stats()["last_step"]`` holds after the
   (step+1)-th ``optimizer.step()``). ``param_numels``: the trainable float32 parameters'
   sizes in registration order (``[p.numel() for p in model.parameters()]``).
+* ``fragment_members(param_numels, fragments) -> list[list[int]]``: the parameters' sizes of
+  each of Streaming DiLoCo's fragments (``optim/fragments.py`` ``plan_fragments``).
 * ``layout(np, clusters) -> list[int]``: the cluster sizes ``stellarun -np NP --clusters C``
   makes.
 * ``buckets(param_numels, fusion_bytes=None) -> list[int]``: the buckets' sizes (elements), in
@@ -38,9 +44,14 @@ API (units: bytes, messages, elements are counts of float entries):
   select and encode on a tensor (a virtual participant).
 
 Exact from sizes alone: dense, fp16, THC (every bits), local steps (their pseudo-gradient as
-its route), and the sparse compressors whose selection always has k entries
-(``payload_from_sizes``: ``topk``, ``randomk``; any compressor on a shard of fewer than
-16/density elements, which is selected by the exact top-k). One caveat for explicit indices:
+its route; with fragments, fragment f's after the update of every step s with ``s % every ==
+f * every / fragments``, in the record of the step after it; with a delay the exchange runs
+once every rank has launched it, beside the next inner steps, and that record or the next one
+holds it, as the clusters' timing has it: exact per period, not per step), and the sparse
+compressors whose selection always has k entries (``payload_from_sizes``: ``topk``,
+``randomk``, and ``sparseloco`` and ``dct``, whose quantised payloads their own
+``payload_size`` sizes; any other compressor on a shard of fewer than 16/density elements,
+which is selected by the exact top-k). One caveat for explicit indices:
 the codec's ``auto`` scheme sends whole aligned blocks of 16 entries as block ids (``mixed``,
 30 bytes less per block); :func:`sized_payload` assumes the selection holds no whole block
 (data that can: pass ``payload``). Data-dependent (``payload`` needed): ``cacheaware`` (blocks
@@ -49,12 +60,14 @@ with the data), and a user's registered compressor. ``payload(query: PayloadQuer
 Payload`` is then asked for each cluster's payload of each shard, bucket and tree round.
 
 Not modelled: the adjuster (``hvd.Adjuster``, the automatic route and its link probe), the CPU
-engine, Adasum, ``groups``, ``dense_below``, a non-finite step (THC then sends its scale round
-only), 16-bit or float64 parameters, and the collective thread's fusion of consecutive bucket
-allreduces submitted in one cycle (it never fuses float32 buckets of the default plan: two
-consecutive ones exceed the threshold; fp16 buckets may fuse when half their float32 bytes fit
-it, which depends on timing).
+engine, Adasum, ``groups``, ``fragment_groups`` (fragments are the balanced cut),
+``dense_below``, a non-finite step (THC then sends its scale round only), 16-bit or float64
+parameters, and the collective thread's fusion of consecutive bucket allreduces submitted in
+one cycle (it never fuses float32 buckets of the default plan: two consecutive ones exceed the
+threshold; fp16 buckets may fuse when half their float32 bytes fit it, which depends on
+timing).
 """
+import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -71,15 +84,32 @@ from ..compression.registry import get_compressor, get_factory
 from ..compression.thc import THCCompressor
 from .._native import compress as codec
 from ..optim.buckets import plan_gradient_buckets, plan_pseudo_gradient_buckets
+from ..optim.fragments import plan_fragments
 from ..optim.outer_sync import LocalSteps
 from ..optim.routes.sync import density_warmup
 
-__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets", "pseudo_buckets", "bucket_members",
-           "bottleneck", "sized_payload", "measured_payload"]
+__all__ = ["COUNTED", "ROUTE_KINDS", "Route", "Payload", "PayloadQuery", "step_traffic", "layout", "buckets",
+           "pseudo_buckets", "bucket_members", "fragment_members", "bottleneck", "sized_payload", "measured_payload"]
 
 COUNTED = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "elements", "entries_sent")
 ROUTE_KINDS = ("dense", "fp16", "sparse", "thc", "local")
 ALGORITHMS = ("auto", "allgather", "tree")
+# a sparse compressor's own settings a Route passes on when given (None: the compressor's default)
+COMPRESSOR_FIELDS = ("bits", "chunk", "feedback_decay")
+
+
+def _keywords(factory):
+    """The keyword arguments ``factory`` takes: a class's ``__init__``, following ``**kwargs``
+    up its bases (None: it passes ``**kwargs`` on to something unknown, which takes any)."""
+    inits = [k.__dict__["__init__"] for k in factory.__mro__ if "__init__" in k.__dict__] \
+        if isinstance(factory, type) else [factory]
+    names = set()
+    for init in inits:
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,12 +119,16 @@ class Route:
     kind: str
     compressor: str = "topk"
     density: float = 0.01
-    bits: int = 4
+    bits: Optional[int] = None
     algorithm: str = "auto"
     every: int = 1
     pseudo: Optional["Route"] = None
     warmup: Optional[int] = None
     overlap: bool = False
+    chunk: Optional[int] = None
+    feedback_decay: Optional[float] = None
+    fragments: int = 1
+    delay: int = 0
 
     def __post_init__(self):
         if self.kind not in ROUTE_KINDS:
@@ -102,8 +136,8 @@ class Route:
         if self.algorithm not in ALGORITHMS:
             raise ValueError("Route: algorithm (STELLA_SPARSE_ALGO) must be one of %s, got %r"
                              % (", ".join(ALGORITHMS), self.algorithm))
-        if self.kind == "local":
-            LocalSteps(every=self.every)   # its own refusal of a bad H
+        if self.kind == "local":   # its own refusals: H, fragments, delay, and overlap with them
+            LocalSteps(every=self.every, overlap=self.overlap, fragments=self.fragments, delay=self.delay)
             if self.pseudo is not None:
                 if not isinstance(self.pseudo, Route) or self.pseudo.kind == "local":
                     raise ValueError("Route: the pseudo-gradient's route must be a Route of kind dense, fp16, "
@@ -111,7 +145,19 @@ class Route:
                 if self.overlap and self.pseudo.kind != "dense":
                     raise ValueError("Route: local steps with overlap take compression none (pseudo None or "
                                      "Route('dense')), got pseudo kind %r" % self.pseudo.kind)
-        self.make_compressor()   # the compressors' own checks: density in (0, 1], bits, the name
+        elif self.fragments != 1 or self.delay != 0:
+            raise ValueError("Route(kind=%r): fragments and delay are local steps' (kind 'local'), got fragments=%r, "
+                             "delay=%r; leave them 1 and 0" % (self.kind, self.fragments, self.delay))
+        if self.kind != "sparse" and (self.chunk is not None or self.feedback_decay is not None):
+            raise ValueError("Route(kind=%r): chunk and feedback_decay are a sparse compressor's (kind 'sparse', "
+                             "compressor 'sparseloco' or 'dct'), got chunk=%r, feedback_decay=%r"
+                             % (self.kind, self.chunk, self.feedback_decay))
+        # the compressors' own checks (density in (0, 1], bits, chunk, the name); a field left
+        # None reads as the compressor's own value
+        comp = self.make_compressor()
+        for key in COMPRESSOR_FIELDS:
+            if getattr(self, key) is None and hasattr(comp, key):
+                object.__setattr__(self, key, getattr(comp, key))
 
     def make_compressor(self):
         """The compressor this route's gradients cross with (None: dense float32; ``"fp16"``:
@@ -121,7 +167,7 @@ class Route:
         if self.kind == "fp16":
             return "fp16"
         if self.kind == "thc":
-            return THCCompressor(bits=self.bits)
+            return THCCompressor() if self.bits is None else THCCompressor(bits=self.bits)
         kwargs = {"density": self.density}
         if self.warmup is not None:
             kwargs["warmup"] = self.warmup
@@ -129,7 +175,14 @@ class Route:
         if not getattr(factory, "sparse", False) or getattr(factory, "homomorphic", False):
             raise ValueError("Route('sparse'): compressor %r is not a sparse selection (use kind 'dense', 'fp16' "
                              "or 'thc')" % self.compressor)
-        return get_compressor(self.compressor, **kwargs)
+        options = {k: getattr(self, k) for k in COMPRESSOR_FIELDS if getattr(self, k) is not None}
+        taken = _keywords(factory)
+        refused = [k for k in options if taken is not None and k not in taken]
+        if refused:
+            raise ValueError("Route('sparse'): compressor %r takes no %s (sparseloco and dct do); leave %s None"
+                             % (self.compressor, ", ".join("%s=%r" % (k, options[k]) for k in refused),
+                                " and ".join(refused)))
+        return get_compressor(self.compressor, **kwargs, **options)
 
 
 @dataclass(frozen=True)
@@ -166,6 +219,9 @@ def sized_payload(comp, n, round=1):
     compressor whose selections vary in length with the data (unless the shard is small: the
     exact top-k)."""
     k = comp.k_for(n)
+    own = getattr(comp, "payload_size", None)
+    if own is not None:   # a payload format of its own (sparseloco's, dct's quantised one) sized by its compressor
+        return Payload(int(own(n, k)), k)
     small = n == 0 or comp.is_small(n)
     if not (small or getattr(comp, "payload_from_sizes", False)):
         raise ValueError("compressor %r: its payload depends on the data (selections of varying length or "
@@ -223,6 +279,14 @@ def bucket_members(param_numels, fusion_bytes=None, pseudo=False):
     default)."""
     plan = plan_pseudo_gradient_buckets if pseudo else plan_gradient_buckets
     return [[p.numel() for p in b] for b in plan(_metas(param_numels), _cap(fusion_bytes))]
+
+
+def fragment_members(param_numels, fragments):
+    """[[elements of each parameter] per fragment] of ``LocalSteps(fragments=...)``: the runtime's
+    balanced cut of the parameters (registration order) into contiguous runs
+    (``optim/fragments.py`` ``plan_fragments``; its refusal of more fragments than parameters)."""
+    named = [(str(i), t) for i, t in enumerate(_metas(param_numels))]
+    return [[p.numel() for _, p in part] for part in plan_fragments(named, int(fragments))]
 
 
 def pseudo_buckets(param_numels, fusion_bytes=None):
@@ -340,9 +404,13 @@ def step_traffic(route, cluster_sizes: Sequence[int], param_numels: Sequence[int
     numels = list(param_numels)
     sizes = buckets(numels, fusion_bytes)
     if route.kind == "local":
-        # the exchange after step s-1's update (when it ended a period) is counted in step s's record
-        if step == 0 or step % route.every:
+        # the exchange after step s-1's update (when it ended a period; with fragments, a slot of
+        # every/fragments steps: that slot's fragment) is counted in step s's record
+        slot = route.every // route.fragments
+        if step == 0 or step % slot:
             return rows
+        if route.fragments > 1:
+            numels = fragment_members(numels, route.fragments)[step % route.every // slot]
         total = sum(numels)
         if route.overlap:   # OuterChannel.launch: each cluster's part and its flag, allreduced
             if lay.nclusters > 1:

@@ -5,8 +5,11 @@ import copy
 import math
 
 import pytest
+import torch
 
+from stella_mpi.comm.buffers import split_counts
 from stella_mpi.plan import routes as route_table
+from stella_mpi.plan import wire
 from stella_mpi.plan.gpus import load_table
 from stella_mpi.plan.predict import Cluster, Layout, Machine, predict, time_to_target
 from stella_mpi.plan.report import plan, table_text
@@ -58,6 +61,53 @@ def test_local_steps_pay_the_exchange_once_per_period():
     p32 = predict(route_table.BY_NAME["local-32-thc4"], layout(), m, PARAMS)
     assert p32["wan_bytes_per_step"] == pytest.approx(p8["wan_bytes_per_step"] / 4, rel=1e-6)
     assert p32["step_s"] < p8["step_s"]
+
+
+def test_local_sparseloco_sends_what_its_encoder_writes_once_per_period():
+    """local-8-sparseloco1 on clusters of two: each rank sends, once per 8 steps, the payload the
+    real SparseLoCo encoder writes for its shard of each pseudo-gradient bucket (and its 8-byte
+    size), gathered by the other cluster."""
+    m = Machine(calibration())
+    route = route_table.BY_NAME["local-8-sparseloco1"]
+    comp = route.wire.pseudo.make_compressor()
+    gen = torch.Generator().manual_seed(0)
+    sent = 0
+    for n in wire.pseudo_buckets(PARAMS):
+        shard = split_counts(n, 2)[0]   # rank 0's, the largest
+        sent += wire.measured_payload(comp, torch.randn(shard, generator=gen)).bytes + 8
+    pred = predict(route, layout(), m, PARAMS)
+    assert pred["wan_bytes_per_step"] == pytest.approx(sent / 8, rel=1e-12)
+    assert predict(route_table.BY_NAME["local-32-sparseloco1"], layout(), m, PARAMS)["wan_bytes_per_step"] == \
+        pytest.approx(sent / 32, rel=1e-12)
+    thc = predict(route_table.BY_NAME["local-8-thc4"], layout(), m, PARAMS)
+    assert pred["wan_bytes_per_step"] < thc["wan_bytes_per_step"] / 5
+
+
+def _fragments(delay):
+    return route_table.PlanRoute("f4-delay%d" % delay, wire.Route(kind="local", every=8, fragments=4, delay=delay,
+                                                                   pseudo=wire.Route(kind="thc", bits=4)))
+
+
+def test_fragments_send_a_period_s_bytes_and_hide_one_pass_per_exchange():
+    """local-8-f4-thc4: the period's bytes are the whole model's (4 exchanges of a fragment
+    each); with a delay each exchange hides behind one inner step's pass, no more: on a link so
+    slow that every fragment's wire outlasts a pass, the delay saves 4 passes per 8 steps."""
+    m = Machine(calibration())
+    f4 = predict(route_table.BY_NAME["local-8-f4-thc4"], layout(), m, PARAMS)
+    whole = predict(route_table.BY_NAME["local-8-thc4"], layout(), m, PARAMS)
+    assert f4["wan_bytes_per_step"] == pytest.approx(whole["wan_bytes_per_step"], rel=0.01)
+    assert f4["messages_per_step"] > whole["messages_per_step"]
+    slow = layout(link=1e4)
+    blocking, delayed = (predict(_fragments(d), slow, m, PARAMS) for d in (0, 1))
+    assert delayed["wan_bytes_per_step"] == blocking["wan_bytes_per_step"]
+    assert blocking["step_s"] - delayed["step_s"] == pytest.approx(4 * delayed["compute_s"] / 8, rel=1e-9)
+    # on a fast link each exchange's wire hides whole: what remains is its CPU work
+    fast = layout(link=1e12)
+    blocking, delayed = (predict(_fragments(d), fast, m, PARAMS) for d in (0, 1))
+    assert delayed["step_s"] < blocking["step_s"]
+    assert delayed["step_s"] == pytest.approx(blocking["step_s"] - blocking["wire_s"]
+                                              - blocking["messages_per_step"] * m.calib["link"]["latency_s"],
+                                              rel=1e-9)
 
 
 def test_revocations_and_prices():

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from stella_mpi._native import compress as codec
+from stella_mpi.comm.buffers import split_counts
 from stella_mpi.compression import get_compressor
+from stella_mpi.compression.thc import THCCompressor
+from stella_mpi.optim.tuning import payload_per_entry
 from stella_mpi.plan import wire
 from stella_mpi.plan.wire import Route, step_traffic
 
@@ -170,6 +173,75 @@ def test_sized_topk_payload_assumes_no_whole_block():
     assert wire.measured_payload(comp, g).bytes == wire.sized_payload(comp, n).bytes - 30
 
 
+# ---------------- sparseloco and dct: a quantised payload of their own
+
+
+@pytest.mark.parametrize("name,kw,n", [
+    ("sparseloco", dict(density=0.01, chunk=4096, bits=2), 3 * 4096 + 1000),   # a short tail chunk
+    ("sparseloco", dict(density=0.01, chunk=4096, bits=2), 300000),            # more than one 16-bit segment
+    ("sparseloco", dict(density=0.05, chunk=64, bits=4), 1000),
+    ("sparseloco", dict(density=0.02, chunk=256, bits=8), 5000),
+    ("sparseloco", dict(density=0.01, chunk=4096, bits=2), 20),                 # one short chunk: one entry
+    ("dct", dict(density=0.01, chunk=1024, bits=2), 10000),
+    ("dct", dict(density=0.01, chunk=1024, bits=None), 10000),                  # float32 values
+])
+def test_sized_payload_is_what_the_compressor_encodes(name, kw, n):
+    """The wire model's size of a quantised payload is the compressor's own payload_size, and
+    that is what its real select and encode write (k_for(n) entries)."""
+    comp = get_compressor(name, **kw)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    real = wire.measured_payload(comp, g)
+    assert wire.sized_payload(comp, n) == real == wire.Payload(comp.payload_size(n, comp.k_for(n)), comp.k_for(n))
+    assert wire.sized_payload(comp, n, round=2) == real   # a tree round re-selects k entries: the same size
+
+
+def sparseloco(**kw):
+    return Route("sparse", "sparseloco", 0.01, chunk=4096, bits=2, feedback_decay=0.95, **kw)
+
+
+def test_local_steps_sparseloco_pseudo_gradient_is_gathered_bucket_by_bucket():
+    """Each pseudo-gradient bucket's shard crosses as the payload the real encoder writes for a
+    shard of its size, gathered from the other cluster (its 8-byte size besides)."""
+    numels, fusion = [200000, 3000, 150000, 64], 1 << 20
+    r = Route("local", every=4, pseudo=sparseloco())
+    comp = r.pseudo.make_compressor()
+    assert (comp.name, comp.density, comp.chunk, comp.bits, comp.feedback_decay) == ("sparseloco", 0.01, 4096, 2, 0.95)
+    gen = torch.Generator().manual_seed(1)
+    want = [row(0, 0, 0, 0, 0) for _ in range(4)]
+    for n in wire.pseudo_buckets(numels, fusion):
+        assert n > 0
+        for shard, m in enumerate(split_counts(n, 2)):   # clusters of two: each rank owns one shard
+            p = wire.measured_payload(comp, torch.randn(m, generator=gen))
+            for rank in (shard, 2 + shard):
+                for key, v in zip(("wan_bytes_sent", "wan_bytes_received", "wan_messages", "elements", "entries_sent"),
+                                  (p.bytes + 8, p.bytes + 8, 2, m, p.entries)):
+                    want[rank][key] += v
+    assert len(wire.pseudo_buckets(numels, fusion)) == 2
+    assert step_traffic(r, [2, 2], numels, fusion_bytes=fusion, step=4) == want
+    assert step_traffic(r, [2, 2], numels, fusion_bytes=fusion, step=3) == [ZERO] * 4
+
+
+@pytest.mark.parametrize("nclusters", [2, 4])
+def test_sparseloco_bytes_per_element_are_the_adjusters_payload_per_entry(nclusters):
+    """The adjuster's rate (optim/tuning.py payload_per_entry, from the compressor's entry_bytes)
+    and the wire model's exact count agree on a large shard, up to the header and the 16-bit
+    segments' offsets."""
+    n = 1 << 22
+    comp = sparseloco().make_compressor()
+    sent = step_traffic(Route("local", every=1, pseudo=sparseloco()), [1] * nclusters, [n], fusion_bytes=4 * n,
+                        step=1)[0]["wan_bytes_sent"]
+    assert sent / n == pytest.approx(payload_per_entry(comp, nclusters), rel=0.01)
+    assert sent < step_traffic(Route("thc", bits=2), [1] * nclusters, [n])[0]["wan_bytes_sent"] / 4
+
+
+def test_route_fields_left_none_read_as_the_compressors_own():
+    assert Route("thc").bits == THCCompressor().bits
+    default = get_compressor("sparseloco")
+    r = Route("sparse", "sparseloco")
+    assert (r.bits, r.chunk, r.feedback_decay) == (default.bits, default.chunk, default.feedback_decay)
+    assert Route("sparse", "topk").bits is None and Route("thc") == Route("thc", bits=THCCompressor().bits)
+
+
 # ---------------- THC
 
 
@@ -205,6 +277,34 @@ def test_local_steps_overlap_allreduces_each_part_and_its_flag():
     r = Route("local", every=1, overlap=True)
     # clusters of 2: parts of 5 elements + the flag, 4 bytes each, swapped between 2 clusters
     assert step_traffic(r, [2, 2], [10], step=1) == [row(24, 24, 1, 0, 0)] * 4
+
+
+def test_fragments_cross_one_each_slot_in_the_next_steps_record():
+    """LocalSteps(every=4, fragments=2): fragment 1 after the update of step 2, fragment 0 after
+    step 4's; each as the exchange of its own parameters (the runtime's balanced cut). A delayed
+    one is placed in the same record (the runtime's is that one or the next: exact per period)."""
+    numels = [5000, 100, 3000, 2000, 60]
+    thc = Route("thc", bits=4)
+    r = Route("local", every=4, fragments=2, pseudo=thc)
+    members = wire.fragment_members(numels, 2)
+    assert members == [[5000, 100], [3000, 2000, 60]] and sum(members, []) == numels
+    per = [step_traffic(r, [1, 1], numels, step=s) for s in range(9)]
+    assert per[0] == per[1] == per[3] == per[5] == per[7] == [ZERO] * 2
+    for s, f in ((2, 1), (4, 0), (6, 1), (8, 0)):
+        assert per[s] == step_traffic(Route("local", every=1, pseudo=thc), [1, 1], members[f], step=1)
+    assert step_traffic(Route("local", every=4, fragments=2, delay=1, pseudo=thc), [1, 1], numels, step=2) == per[2]
+
+
+def test_fragments_carry_the_same_total_per_period():
+    """Dense float32 fragments: the bytes of one period are the whole model's, as F exchanges."""
+    numels = [5000, 100, 3000, 2000, 60]
+    frag = Route("local", every=4, fragments=2)
+    period = [step_traffic(frag, [1, 1], numels, step=s) for s in range(4, 8)]
+    whole = step_traffic(Route("local", every=4), [1, 1], numels, step=4)
+    for rank in range(2):
+        for key in ("wan_bytes_sent", "wan_bytes_received", "elements", "entries_sent"):
+            assert sum(p[rank][key] for p in period) == whole[rank][key]
+        assert sum(p[rank]["wan_messages"] for p in period) == 2 * whole[rank]["wan_messages"]
 
 
 # ---------------- the bottleneck
@@ -245,6 +345,16 @@ def test_layout_is_stelluns():
     (lambda: step_traffic(Route("dense"), [1, 1], [10, -1]), r"param_numels\[1\] is -1"),
     (lambda: step_traffic(Route("dense"), [1, 1], [10], step=-1), "step .* got -1"),
     (lambda: wire.bottleneck([ZERO], [1, 1]), "1 rows for a layout of 2 ranks"),
+    (lambda: Route("sparse", "topk", bits=2), "compressor 'topk' takes no bits=2"),
+    (lambda: Route("sparse", "sparseloco", bits=3), r"bits must be one of 2, 4, 8.*got 3"),
+    (lambda: Route("sparse", "sparseloco", chunk=1000), r"chunk must be a power of two.*got 1000"),
+    (lambda: Route("sparse", "sparseloco", feedback_decay=1.5), r"feedback_decay must be in \(0, 1\].*got 1.5"),
+    (lambda: Route("thc", chunk=64), "Route\\(kind='thc'\\): chunk and feedback_decay .*chunk=64"),
+    (lambda: Route("dense", fragments=2), "fragments and delay are local steps'.*fragments=2"),
+    (lambda: Route("local", every=8, fragments=3), "every=8, fragments=3"),
+    (lambda: Route("local", every=8, fragments=4, delay=2), "delay must be an int in .*2"),
+    (lambda: Route("local", every=8, fragments=2, overlap=True), "overlap=True, fragments=2"),
+    (lambda: wire.fragment_members([10, 20], 3), "fragments=3.*2 trainable parameters"),
 ])
 def test_refusals_name_the_value(make, match):
     with pytest.raises(ValueError, match=match):
