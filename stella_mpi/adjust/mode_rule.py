@@ -22,9 +22,9 @@ equal steps on the byte-level LM, local 8 and local 16 with THC 4-bit pseudo-gra
 top-k with momentum correction +0.6 %, cache-aware blocks +4.8 %: bench/bench_parity.py. The
 shape charges local steps less than sparse rungs of the same wait, as those numbers say.)
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
-it for the synchronous rung of that compression: THC bits' shape; a sparse density's times
-``sparse_pseudo_factor(H)``, least at H = 8 (optim/tuning.py: calibrated on the byte LM; none
-and fp16: 0).
+it for the synchronous rung of that compression: THC bits' shape; a sparse density's shape on
+a scale of its own, times ``sparse_pseudo_factor(H)``, least at H = 8 (optim/tuning.py:
+calibrated on the byte LM; none and fp16: 0).
 
 What each side is predicted from:
 

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ..adjust.controller import Estimate
+from ..adjust.controller import Estimate, backlog_shape
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
 from ..adjust.mode_rule import ModeRule, PseudoRung
@@ -282,19 +282,24 @@ def payload_per_entry(comp, nclusters):
     return allreduce_bytes(width * n, nclusters) / n
 
 
-# A sparse pseudo-gradient at H = every holds back sparse_pseudo_factor(every) times what the
-# synchronous rung of its density holds back: least at H = PSEUDO_SPARSE_EVERY, more on either
-# side. A short H exchanges often, and the residual decays at every exchange (feedback_decay), on
+# A sparse pseudo-gradient of density d at H = every holds back
+#     PSEUDO_SPARSE_KAPPA * sqrt((1 - d) / d) * sparse_pseudo_factor(every)
+# (the synchronous sparse backlog's shape, on a scale of its own): least at H =
+# PSEUDO_SPARSE_EVERY, more on either side. A short H exchanges often, and the residual decays at every exchange (feedback_decay), on
 # a pseudo-gradient of few steps: PSEUDO_SPARSE_EVERY / H. A long H makes an entry wait about 1/d
 # exchanges, H/d steps: sqrt(H / PSEUDO_SPARSE_EVERY), the wait's square root as in the sparse
-# backlog's shape. Calibrated on the byte LM of bench/bench_time_to_loss.py (as backlog_cost
-# was), one run per rate of the automatic route and of each rung fixed: with 8, the rule chooses
+# backlog's shape. The scale is not the run's kappa: that is the synchronous route's residual ratio,
+# which moved 10x with the density it was measured at (0.13 at 0.1 %, 1.33 at 1 % on the byte LM)
+# and says little of the pseudo-gradient's. Calibrated on the byte LM of
+# bench/bench_time_to_loss.py (as backlog_cost was), one run per rate of the automatic route and
+# of each rung fixed, whose sync phases measured kappa 0.13: with 8 and 0.13, the rule chooses
 # the rung that reached the lower loss in 40 s at 5, 20 and 100 Mbit/s and 1 Gbit/s (SparseLoCo
 # at H <= 8 on the slow links, THC 4 bits at 100 Mbit/s and 1 Gbit/s; 6.5 to 10 agree on all
 # four, with thin margins at 20 Mbit/s and 1 Gbit/s). At equal steps on bench/bench_parity.py's
 # smaller LM, SparseLoCo 1 % (outer sum, seed 0) cost +1.0, +1.2, +2.9 and +6.4 % at H = 2, 8, 32
 # and 64 where THC 4 bits cost 0.0, 0.9 and 1.4 % at H = 8, 32 and 64.
 PSEUDO_SPARSE_EVERY = 8.0
+PSEUDO_SPARSE_KAPPA = 0.13
 
 
 def sparse_pseudo_factor(every):
@@ -310,12 +315,12 @@ def _backlog_of(controller, comp):
 
 def pseudo_backlog(controller, est, comp, every=1):
     """The backlog ``comp`` leaves on the pseudo-gradient at H = ``every``: a THC rung's as the
-    controller counts it; a sparse rung's :func:`sparse_pseudo_factor` times the synchronous
-    rung's of its density (none, fp16 and bf16 leave none)."""
+    controller counts it; a sparse rung's the synchronous shape of its density on the scale
+    ``PSEUDO_SPARSE_KAPPA``, times :func:`sparse_pseudo_factor` (none, fp16 and bf16 leave none)."""
     if getattr(comp, "homomorphic", False):
         return controller.backlog(est, 1.0, comp.bits)
     if getattr(comp, "sparse", False):
-        return sparse_pseudo_factor(every) * controller.backlog(est, comp.density)
+        return PSEUDO_SPARSE_KAPPA * backlog_shape(comp.density) * sparse_pseudo_factor(every)
     return 0.0
 
 

@@ -300,17 +300,18 @@ def test_the_automatic_route_steps_a_sparse_rung_by_the_clusters_sum():
 
 
 def test_a_sparse_pseudo_gradient_holds_back_least_at_h8():
-    """sparse_pseudo_factor(H) of the synchronous rung's backlog: 1 at H = 8, 8/H below (its
-    residual decays at every exchange), sqrt(H/8) above (an entry waits 1/d exchanges of H steps);
-    THC's does not depend on H."""
+    """The synchronous sparse shape on its own scale (not the run's kappa), times
+    sparse_pseudo_factor(H): 1 at H = 8, 8/H below (its residual decays at every exchange),
+    sqrt(H/8) above (an entry waits 1/d exchanges of H steps); THC's does not depend on H."""
     from stella_mpi import Compression
-    from stella_mpi.optim.tuning import pseudo_backlog, sparse_pseudo_factor
+    from stella_mpi.optim.tuning import PSEUDO_SPARSE_KAPPA, pseudo_backlog, sparse_pseudo_factor
     s = Adjuster(modes=("sync", "local"))
     ctrl = Controller(s, density=0.01)
     est = dataclasses.replace(estimate(100 * MBIT, kappa=0.5), backlog_kappa_thc=1.0)
     sparse, thc = Compression.sparseloco(0.01), Compression.thc(bits=4)
-    sync = ctrl.backlog(est, 0.01)
-    assert sync == pytest.approx(0.5 * math.sqrt(99))
+    sync = PSEUDO_SPARSE_KAPPA * math.sqrt(99)
+    for kappa in (0.1, 0.5, 2.0):   # whatever the synchronous route measured
+        assert pseudo_backlog(ctrl, dataclasses.replace(est, backlog_kappa=kappa), sparse, 8) == pytest.approx(sync)
     assert [sparse_pseudo_factor(h) for h in (1, 2, 8, 32, 64)] == pytest.approx([8, 4, 1, 2, math.sqrt(8)])
     assert min(range(1, 200), key=sparse_pseudo_factor) == 8
     assert pseudo_backlog(ctrl, est, sparse, 8) == pytest.approx(sync)
