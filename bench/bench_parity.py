@@ -27,6 +27,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 PLAIN = ["--momentum-correction", "off", "--density-warmup", "0"]   # the sparse route without this release's defaults
+
+
+def slc(density, every, *more, bits="2", decay="0.95"):
+    """Local steps every ``every`` with SparseLoCo's pseudo-gradient (outer average unless ``more``
+    says otherwise)."""
+    return ["--compression", "sparseloco", "--density", density, "--bits", bits, "--feedback-decay", decay,
+            "--local-steps", str(every)] + list(more)
+
+
 VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --wan-route dense: Horovod's numerics)
     "dense": ["--compression", "none"],
     "auto": ["--compression", "none"],    # the untouched script: the automatic route (it depends on the link)
@@ -75,41 +84,24 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
                                 "--feedback-decay", "0.95", "--local-steps", "8"],
     "diloco8+sparseloco3": ["--compression", "sparseloco", "--density", "0.03", "--bits", "2", "--local-steps", "8",
                             "--outer", "nesterov"],
-    "local8+sparseloco1:ef95:olr1.5": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                       "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sgd",
-                                       "--outer-lr", "1.5"],
-    "local8+sparseloco1:ef95:olr2": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sgd",
-                                     "--outer-lr", "2"],
-    "local8+sparseloco1:ef95:olr2.5": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                       "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sgd",
-                                       "--outer-lr", "2.5"],
-    "local8+sparseloco1:ef95:olr3": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sgd",
-                                     "--outer-lr", "3"],
-    "local8+sparseloco1:olr2": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                "--local-steps", "8", "--outer", "sgd", "--outer-lr", "2"],
-    "diloco8+sparseloco1:ef95": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                 "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "nesterov"],
+    # SparseLoCo's outer step, H, density, bits and chunk (issue 31): slc(density, H, *more)
+    "local8+sparseloco1:ef95:olr1.5": slc("0.01", 8, "--outer", "sgd", "--outer-lr", "1.5"),
+    "local8+sparseloco1:ef95:olr2": slc("0.01", 8, "--outer", "sgd", "--outer-lr", "2"),
+    "local8+sparseloco1:ef95:olr2.5": slc("0.01", 8, "--outer", "sgd", "--outer-lr", "2.5"),
+    "local8+sparseloco1:ef95:olr3": slc("0.01", 8, "--outer", "sgd", "--outer-lr", "3"),
+    "local8+sparseloco1:olr2": slc("0.01", 8, "--outer", "sgd", "--outer-lr", "2", decay="1.0"),
+    "diloco8+sparseloco1:ef95": slc("0.01", 8, "--outer", "nesterov"),
     "local8+thc4:sum": ["--compression", "thc", "--bits", "4", "--local-steps", "8", "--outer", "sum"],
-    "local8+sparseloco3:ef95:sum": ["--compression", "sparseloco", "--density", "0.03", "--bits", "2",
-                                    "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sum"],
-    "local8+sparseloco1:ef95:sum": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                    "--feedback-decay", "0.95", "--local-steps", "8", "--outer", "sum"],
-    "local2+sparseloco1:ef95:sum": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                    "--feedback-decay", "0.95", "--local-steps", "2", "--outer", "sum"],
+    "local8+sparseloco3:ef95:sum": slc("0.03", 8, "--outer", "sum"),
+    "local8+sparseloco1:ef95:sum": slc("0.01", 8, "--outer", "sum"),
+    "local2+sparseloco1:ef95:sum": slc("0.01", 2, "--outer", "sum"),
     "local32+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "32"],
     "local64+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "64"],
-    "local32+sparseloco1:ef95:sum": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--local-steps", "32", "--outer", "sum"],
-    "local64+sparseloco1:ef95:sum": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--local-steps", "64", "--outer", "sum"],
-    "local32+sparseloco3:ef95:sum": ["--compression", "sparseloco", "--density", "0.03", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--local-steps", "32", "--outer", "sum"],
-    "local8+sparseloco1:ef95:c16k": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
-                                     "--feedback-decay", "0.95", "--chunk", "16384", "--local-steps", "8"],
-    "local8+sparseloco1:ef95:b4": ["--compression", "sparseloco", "--density", "0.01", "--bits", "4",
-                                   "--feedback-decay", "0.95", "--local-steps", "8"],
+    "local32+sparseloco1:ef95:sum": slc("0.01", 32, "--outer", "sum"),
+    "local64+sparseloco1:ef95:sum": slc("0.01", 64, "--outer", "sum"),
+    "local32+sparseloco3:ef95:sum": slc("0.03", 32, "--outer", "sum"),
+    "local8+sparseloco1:ef95:c16k": slc("0.01", 8, "--chunk", "16384"),
+    "local8+sparseloco1:ef95:b4": slc("0.01", 8, bits="4"),
     "local8+f4": ["--compression", "none", "--local-steps", "8", "--fragments", "4"],
     "local8+f4+delay1": ["--compression", "none", "--local-steps", "8", "--fragments", "4", "--fragment-delay", "1"],
     "local8+f4+delay1+sparseloco1:ef95": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
