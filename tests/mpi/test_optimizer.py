@@ -841,7 +841,7 @@ def test_mode_switch_with_one_cluster_stays_synchronous():
     model, opt = _train_with(lambda m: _switching(m, hvd.Compression.fp16), 6)
     opt.sync_clusters()
     assert opt.mode == "sync" and opt.mode_switches == [] and opt.adjust_decisions == []
-    assert opt.state_dict()["stella_mode"] == {"mode": "sync", "sync_estimate": None}
+    assert opt.state_dict()["stella_mode"] == {"mode": "sync", "sync_estimate": None, "pseudo": "fp16"}
     _assert_same_everywhere(model)
 
 
