@@ -61,8 +61,10 @@ The pseudo-gradient's rung (``Adjuster(pseudo_rungs=...)``; on the automatic rou
 and SparseLoCo's 2-bit chunked top-k at 1 % and 3 %): each rung is scored as local steps at the
 H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``), and the
 best one is the local side of the comparison. So the adjuster chooses the bits and the density
-of the outer sync, and its H, in one objective: a smaller payload lets H fall (the clusters
-meet more often) but holds more back. Entering local steps, the best rung is taken; in local
+of the outer sync by the time-to-loss objective, each at the H its exchange needs (H itself stays
+the local-steps rule's: chosen by the score over the whole ladder, every rung ran at H=64 on the
+byte LM and lost, docs/guides/local-steps.md): a smaller payload lets H fall (the clusters meet
+more often) but holds more back. Entering local steps, the best rung is taken; in local
 mode, each exchange also scores the other rungs, their exchange predicted from the measured one
 (its transfer scaled by the payloads' ratio, the latency and ``cpu_s`` kept), and a rung that
 wins by the dead band twice running is taken at its H. The rungs share the exchange's
@@ -110,11 +112,10 @@ class PseudoRung:
 
 @dataclass(frozen=True)
 class LocalOption:
-    """Local steps with pseudo rung ``rung`` at H = ``every``: the predicted seconds per local
-    step and per exchange, and the score."""
+    """Local steps with pseudo rung ``rung`` at H = ``every``: the predicted seconds the exchange
+    blocks, and the score."""
     rung: int
     every: int
-    step_s: float
     exchange_s: float
     score: float
 
@@ -185,7 +186,7 @@ class ModeRule:
         if every is None:
             every = smallest_fitting(s.local_steps, s.target, step_s, exchange_s, wire_s)
         blocked = exchange_s + (max(0.0, wire_s - every * step_s) if wire_s is not None else 0.0)
-        return LocalOption(rung, every, step_s, blocked, self.local_score(est, step_s, blocked, every, rung))
+        return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
 
     def _best(self, options):
         """The best option, the current rung's on a tie (then the smaller payload)."""

@@ -223,16 +223,24 @@ class LocalSteps:
         if self.fragment_groups is not None:
             object.__setattr__(self, "fragment_groups", _checked_groups(self.fragment_groups, f))
 
+    def preset_hyperparameters(self, clusters=1):
+        """The SGD hyperparameters of the ``outer`` preset between ``clusters`` clusters (None
+        for a user's optimizer)."""
+        if self.outer == "average":
+            return {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+        if self.outer == "sum":
+            return {"lr": float(clusters), "momentum": 0.0, "nesterov": False}
+        if self.outer == "nesterov":
+            return {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": True}
+        return None
+
     def outer_optimizer(self, named, clusters=1):
         """The outer torch optimizer over the parameters ``named`` [(name, parameter)] (the
         model's trainable ones, or one fragment's), between ``clusters`` clusters."""
         params = [p for _, p in named]
-        if self.outer == "average":
-            return torch.optim.SGD(params, lr=1.0)
-        if self.outer == "sum":
-            return torch.optim.SGD(params, lr=float(clusters))
-        if self.outer == "nesterov":
-            return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        preset = self.preset_hyperparameters(clusters)
+        if preset is not None:
+            return torch.optim.SGD(params, **preset)
         if isinstance(self.outer, torch.optim.Optimizer):
             outer = self.outer
         else:

@@ -580,10 +580,6 @@ def _pseudo_rungs(s, opt):
     if ls is not None and ls.overlap:
         return ("%s with LocalSteps(overlap=True): overlap sends the pseudo-gradient uncompressed; leave one out"
                 % what)
-    if any(getattr(c, "sparse", False) for c in rungs):
-        for p in _trainable(opt):
-            if p.dtype != torch.float32:
-                return "%s: a sparse rung takes float32 parameters, got %s" % (what, p.dtype)
 
 
 @refusal
@@ -613,14 +609,18 @@ def _pseudo_gradient_overlap(s, opt):
 @refusal
 def _pseudo_gradient_dtype(s, opt):
     ls = s.local_steps
-    if ls is None:
+    rungs = s.adjuster.pseudo_rungs if s.adjuster is not None else ()
+    if rungs:   # the adjuster chooses among them (checked with them: _pseudo_rungs)
+        what, pseudos = "hvd.Adjuster(pseudo_rungs=...)", rungs
+    elif ls is not None:
+        what = "DistributedOptimizer(local_steps=...)"
+        pseudos = (ls.compression if (ls.compression is not None or s.modes) else s.compression,)
+    else:
         return None
-    pseudo = ls.compression if (ls.compression is not None or s.modes) else s.compression
-    if getattr(pseudo, "sparse", False):
+    if any(getattr(c, "sparse", False) for c in pseudos):
         for p in _trainable(opt):
             if p.dtype != torch.float32:
-                return ("DistributedOptimizer(local_steps=...): a sparse compression takes float32 parameters, got %s"
-                        % p.dtype)
+                return "%s: a sparse compression takes float32 parameters, got %s" % (what, p.dtype)
 
 
 @refusal

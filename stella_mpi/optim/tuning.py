@@ -71,6 +71,7 @@ AUTO_DENSITY = 0.01
 AUTO_PSEUDO_BITS = 4
 AUTO_OUTER = "nesterov"   # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): ahead of averaging by step 250-400 here
 AUTO_THC_BITS = (2, 4, 8)
+_exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchange (same order on every rank)
 
 
 def auto_pseudo_rungs():
@@ -90,11 +91,8 @@ def auto_outer_of(comp, nclusters):
     lr C, no momentum), because the mean over clusters halves an entry one cluster sent and
     Nesterov's momentum on top of error feedback overshoots (bench/bench_parity.py, 4 seeds at 1 %:
     sum +0.15 %, averaging +4.6 %, Nesterov +16 % over uncompressed local 8)."""
-    if getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False):
-        return {"lr": float(nclusters), "momentum": 0.0, "nesterov": False}
-    ls = LocalSteps(every=1, outer=AUTO_OUTER)
-    return {"lr": ls.outer_lr, "momentum": ls.outer_momentum, "nesterov": True}
-_exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchange (same order on every rank)
+    sparse = getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False)
+    return LocalSteps(every=1, outer="sum" if sparse else AUTO_OUTER).preset_hyperparameters(nclusters)
 
 
 def compose(opt):
@@ -432,14 +430,20 @@ class ModeSwitch:
         if session is not None:
             ctrl = session.controller
             nclusters = opt._spec.clusters
-            self.rule = ModeRule(adjuster, ctrl, nclusters, [PseudoRung(_comp_name(c), payload_per_entry(c, nclusters),
-                                                                        _backlog_of(ctrl, c)) for c in self.rungs],
+            self.rule = ModeRule(adjuster, ctrl, nclusters, [PseudoRung(n, payload_per_entry(c, nclusters),
+                                                                        _backlog_of(ctrl, c))
+                                                             for n, c in zip(self.rung_names, self.rungs)],
                                  link_bps=probe.pair_bps if probe is not None else None)
 
     @property
     def pseudo(self):
         """The pseudo-gradient's compression now."""
         return self.rungs[self.rule.pseudo_index] if self.rule is not None else self.rungs[0]
+
+    @property
+    def rung_names(self):
+        """The rungs as logs and checkpoints name them."""
+        return [_comp_name(c) for c in self.rungs]
 
     @classmethod
     def build(cls, opt):
@@ -577,17 +581,18 @@ class ModeSwitch:
         """Local steps go on through the rule's pseudo rung from the next period, at H = ``every``
         (the rung's predicted H; the local-steps rule starts over from it). The exchange keeps its
         collectives' names, so the residual carries over."""
-        self.local.exchange.comp = self.pseudo
-        self._rung_outer()
+        self._use_rung()
         self.local.progress.every = every
         if self.local.rule is not None:
             self.local.rule.restart(every)
         self._record("local")
 
-    def _rung_outer(self):
-        """The outer SGD's hyperparameters of the rung now (the automatic route's: the clusters'
-        sum for a sparse rung, Nesterov for THC), its state cleared when they change (a momentum
-        of the other rung's steps); the user's outer optimizer is left as it is."""
+    def _use_rung(self):
+        """The rule's pseudo rung in force: the exchange's compressor, and the outer SGD's
+        hyperparameters of that rung (the automatic route's: the clusters' sum for a sparse rung,
+        Nesterov for THC), its state cleared when they change (a momentum of the other rung's
+        steps); the user's outer optimizer is left as it is."""
+        self.local.exchange.comp = self.pseudo
         hp = self.rung_outers[self.rule.pseudo_index] if self.rung_outers and self.rule is not None else None
         if hp is None:
             return
@@ -599,8 +604,7 @@ class ModeSwitch:
 
     def _enter_local(self):
         every = self.rule.predicted_every
-        self.local.exchange.comp = self.pseudo
-        self._rung_outer()
+        self._use_rung()
         self.local.restart(every)
         self._velocity_to_buffers()
         self._set_mode("local")
@@ -672,7 +676,7 @@ class ModeSwitch:
         """Check the checkpoint's mode and local-steps state now (before anything is loaded);
         returns what takes them afterwards (the parameters are taken as loaded, no exchange)."""
         mode, estimate, pseudo = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}),
-                                              [_comp_name(c) for c in self.rungs])
+                                              self.rung_names)
         saved = state_dict.pop("stella_local_steps", None)
         if saved is not None:
             self.local.check(saved)
@@ -692,8 +696,7 @@ class ModeSwitch:
                 self.local.capture()
             self._set_mode(mode)
         self.rule.take(mode, estimate, pseudo)
-        self.local.exchange.comp = self.pseudo
-        self._rung_outer()
+        self._use_rung()
 
     def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a
@@ -703,7 +706,7 @@ class ModeSwitch:
         self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
                                                        root_rank, name="mode_switch.mode"),
-                                      [_comp_name(c) for c in self.rungs]))
+                                      self.rung_names))
 
 
 def _comp_name(comp):

@@ -319,3 +319,9 @@ def test_a_sparse_pseudo_gradient_holds_back_least_at_h8():
     assert pseudo_backlog(ctrl, est, sparse, 32) == pytest.approx(2 * sync)
     assert pseudo_backlog(ctrl, est, thc, 2) == pseudo_backlog(ctrl, est, thc, 64) == pytest.approx(1.0 / 7)
     assert pseudo_backlog(ctrl, est, Compression.fp16, 8) == 0.0
+
+
+def test_a_rule_needs_a_pseudo_rung():
+    s = Adjuster(modes=("sync", "local"))
+    with pytest.raises(ValueError, match="at least one pseudo-gradient rung"):
+        ModeRule(s, Controller(s, density=0.01), 2, [])

@@ -291,6 +291,12 @@ def test_the_sum_preset_steps_by_the_number_of_clusters():
         sync = LocalStepsSync(LocalSteps(every=2, outer="sum", fragments=2), named, exchange=None, clusters=clusters)
         assert [g["lr"] for o in sync.outers for g in o.param_groups] == [float(clusters)] * 2
         assert all(g["momentum"] == 0 for o in sync.outers for g in o.param_groups)
+    # the presets' hyperparameters, one source for the outer optimizers and the automatic route
+    assert LocalSteps(every=1, outer="sum").preset_hyperparameters(3) == {"lr": 3.0, "momentum": 0.0,
+                                                                           "nesterov": False}
+    assert LocalSteps(every=1, outer="nesterov", outer_lr=0.5).preset_hyperparameters(3) == {
+        "lr": 0.5, "momentum": 0.9, "nesterov": True}
+    assert LocalSteps(every=1, outer=lambda ps: torch.optim.Adam(ps)).preset_hyperparameters() is None
 
 
 def test_a_checkpoint_of_the_previous_layout_loads():

@@ -137,6 +137,24 @@ def test_an_unknown_wan_route_is_refused_when_the_package_is_imported():
     assert "STELLA_WAN_ROUTE='fast': use 'auto' or 'dense'" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_pseudo_rungs_are_refused_where_nothing_chooses_among_them():
+    rungs = hvd.Adjuster(pseudo_rungs=(hvd.Compression.thc(bits=4), hvd.Compression.sparseloco(0.01)))
+    modes = dataclasses.replace(rungs, modes=("sync", "local"))
+    topk = hvd.Compression.topk(0.01)
+    assert "pass modes=('sync', 'local'), or leave compression out" in refused(clusters=2, compression=topk,
+                                                                             adjuster=rungs)
+    assert "compression is given twice" in refused(
+        clusters=2, compression=topk, adjuster=modes,
+        local_steps=hvd.LocalSteps(every=2, compression=hvd.Compression.fp16))
+    assert "overlap sends the pseudo-gradient uncompressed" in refused(
+        clusters=2, compression=topk, adjuster=modes, local_steps=hvd.LocalSteps(every=2, overlap=True))
+    half = torch.optim.SGD(_model().half().parameters(), lr=0.1)
+    assert "hvd.Adjuster(pseudo_rungs=...): a sparse compression takes float32 parameters, got torch.float16" in \
+        refused(optimizer=half, clusters=2, adjuster=rungs)
+    refuse(*spec(clusters=2, adjuster=rungs))                       # the automatic route chooses among them
+    refuse(*spec(clusters=2, compression=topk, adjuster=modes))     # so does the mode switch
+
+
 def test_fragments_are_refused_where_they_need_the_model_or_a_fixed_h():
     assert ("LocalSteps(fragments=5)): the optimizer has 4 trainable parameters and a fragment holds at least one "
             "whole parameter; pass fragments <= 4") in refused(local_steps=hvd.LocalSteps(every=5, fragments=5))
