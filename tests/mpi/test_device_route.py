@@ -133,6 +133,59 @@ def test_distributed_optimizer_reduced_gradients(device_route, compression):
     _same_runs(train(torch.device("cpu")), device_route(train), "step")
 
 
+PSEUDO = {   # the pseudo-gradient's compression and the outer step it is meant for
+    "sparseloco": (lambda: hvd.Compression.sparseloco(density=0.02, chunk=256, bits=2, feedback_decay=0.95), "sum"),
+    "dct": (lambda: hvd.Compression.dct(density=0.125, chunk=32, bits=4), "average"),
+    "thc4": (lambda: hvd.Compression.thc(bits=4), "average"),
+    "none": (lambda: hvd.Compression.none, "average"),
+}
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize("pseudo", sorted(PSEUDO))
+def test_local_steps_on_the_device(device_route, pseudo, fragments):
+    """Local steps with the model on the device: every rank holds the same bits after each
+    exchange, and the parameters follow the host route's (THC: agreement only). Plain SGD at lr 1 and the outer sum
+    (lr 2) or average round the same on both sides, so the pseudo-gradient's selection and
+    quantisation see the same numbers; the DCT's inverse is a matrix product, so it is
+    compared within a tolerance."""
+    comp, outer = PSEUDO[pseudo]
+
+    def train(device):
+        model = _wide_model(device)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                       named_parameters=model.named_parameters(),
+                                       local_steps=hvd.LocalSteps(every=2, fragments=fragments, outer=outer,
+                                                                  compression=comp()))
+        seen = []
+        for step in range(6):
+            opt.zero_grad()
+            _set_grads(model, step)
+            opt.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            if fragments == 1 and step % 2 == 1:   # an exchange landed: the clusters agree bit for bit
+                everyone = hvd.allgather(flat.unsqueeze(0), name="dev.local.%s.%d" % (pseudo, step))
+                assert all(torch.equal(everyone[r], flat) for r in range(hvd.size())), \
+                    "%s: rank %d's parameters differ after exchange %d" % (device, hvd.rank(), step // 2)
+            seen.append([p.detach().cpu().clone() for p in model.parameters()])
+        opt.sync_clusters()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = hvd.allgather(flat.unsqueeze(0), name="dev.local.%s.%d.end" % (pseudo, fragments))
+        assert all(torch.equal(everyone[r], flat) for r in range(hvd.size())), device
+        assert bool(torch.isfinite(flat).all())
+        seen.append([p.detach().cpu().clone() for p in model.parameters()])
+        return seen
+    host, dev = train(torch.device("cpu")), device_route(train)
+    if pseudo == "thc4":   # its rotation is keyed by the exchange's name, which each optimizer has its own of
+        return             # (test_thc_allreduce_with_error_feedback compares the routes under one name)
+    if pseudo == "dct":
+        for step, (hs, ds) in enumerate(zip(host, dev)):
+            for i, (h, g) in enumerate(zip(hs, ds)):
+                torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-5, msg="step %d parameter %d" % (step, i))
+    else:
+        _same_runs(host, dev, "local step")
+
+
 def _skip_uneven():
     if not hvd.global_process_set.topology.uniform_clusters:
         pytest.skip("engine='cpu' needs clusters of equal size")
