@@ -220,8 +220,9 @@ def _to_host(sel):
         return sel
     route = route_for(sel.indices.device)
     idx = route.to_host(sel.indices, "selection.indices", wait=False)
+    scales = None if sel.scales is None else route.to_host(sel.scales, "selection.scales", wait=False)
     val = route.to_host(sel.values, "selection.values")
-    return Selection(idx, val, sel.numel, sel.key)
+    return Selection(idx, val, sel.numel, sel.key, scales)
 
 
 def sparse_reduce(hier, buf, comp, memory, name, step, seed, comm, kind):

@@ -20,6 +20,8 @@ import torch
 
 from .._native import chunked as kernels
 from .._native import compress as codec
+from ..base.devices import on_device_route
+from . import device_chunked
 from .contracts import Selection, SparseCompressor, _flat_f32
 
 BITS = kernels.BITS
@@ -104,17 +106,26 @@ class SparseLoCoCompressor(SparseCompressor):
         """The tensor in the domain entries are selected from (the identity here)."""
         return flat
 
+    selects_on_device = True   # a CUDA tensor is selected and quantised where it is (:mod:`.device_chunked`)
+
     def select(self, tensor, ctx, memory=None):
-        flat = self._domain(_flat_f32(tensor).cpu().contiguous())
+        """A CUDA tensor (or any under ``STELLA_DEVICE_PATH=torch``) is selected and quantised in
+        torch operations on its device, with its residual there, bit for bit as the C kernels
+        do on the host; the Selection then stays on the device (the exchange copies only it)."""
+        flat = _flat_f32(tensor)
+        on_device = self.selects_on_device and on_device_route(flat)
+        flat = self._domain((flat if on_device else flat.cpu()).contiguous())
         n = flat.numel()
-        residual = memory.residual(ctx.name, n, "cpu") if memory is not None else None
+        residual = memory.residual(ctx.name, n, flat.device) if memory is not None else None
         if residual is not None and self.feedback_decay != 1.0:
             residual.mul_(self.feedback_decay)
+        ops = device_chunked if on_device else kernels
         if n == 0:
-            idx, val = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
+            idx = torch.empty(0, dtype=torch.int32, device=flat.device)
+            val = torch.empty(0, dtype=torch.float32, device=flat.device)
         else:
-            idx, val = kernels.chunk_topk(flat, self.chunk, self.per_chunk, residual)
-        scales = None if self.bits is None else kernels.quantize(idx, val, n, self.chunk, self.bits, residual)
+            idx, val = ops.chunk_topk(flat, self.chunk, self.per_chunk, residual)
+        scales = None if self.bits is None else ops.quantize(idx, val, n, self.chunk, self.bits, residual)
         return Selection(idx, val, n, scales=scales)
 
     def to_wire(self, sel, residual=None):
@@ -132,6 +143,7 @@ class SparseLoCoCompressor(SparseCompressor):
         return Selection(idx, val, sel.numel, scales=scales)
 
     def encode(self, sel, ctx):
+        sel = _on_host(sel)
         if self.bits is None:
             return codec.encode(sel.indices, sel.values, sel.numel, "auto", "float32")
         sel = self.to_wire(sel)
@@ -143,3 +155,12 @@ class SparseLoCoCompressor(SparseCompressor):
             return Selection(idx, val, int(numel))
         idx, val, scales = kernels.decode(payload, int(numel), self.chunk, self.bits)
         return Selection(idx, val, int(numel), scales=scales)
+
+
+def _on_host(sel):
+    """``sel`` with its tensors in host memory (a device selection encoded outside the exchange,
+    which copies it through its pinned buffers first)."""
+    if sel.indices.device.type == "cpu":
+        return sel
+    return Selection(sel.indices.cpu(), sel.values.cpu(), sel.numel, sel.key,
+                     None if sel.scales is None else sel.scales.cpu())
