@@ -186,6 +186,16 @@ class _DistributedOptimizer(BucketedOptimizer):
         return local.every if getattr(local, "kind", None) == "local" else None
 
     @property
+    def local_steps_exchanges(self):
+        """Exchanges across clusters that local steps have landed so far (None outside local
+        steps). After the same exchange every rank holds the same count, whatever steps each
+        took: with ``LocalSteps(pace="time")`` clusters take different numbers of steps, so a
+        collective across clusters in the training loop (a logged loss, an evaluation) must be
+        issued where this count has just changed, or ranks wait on different collectives."""
+        local = self._tuner.local if self._tuner is not None else self._outer
+        return local.progress.exchanges if getattr(local, "kind", None) == "local" else None
+
+    @property
     def local_steps_reason(self):
         local = self._tuner.local if self._tuner is not None else self._outer
         return getattr(local, "reason", None)

@@ -126,7 +126,10 @@ def test_pace_time_a_slow_cluster_takes_fewer_steps_and_the_clusters_meet():
     """LocalSteps(every=4, pace="time") with cluster 1's steps 30 ms slower: after the first
     period (4 steps everywhere) cluster 1 takes fewer steps per period than cluster 0; the
     ranks of a cluster agree on when their period ends (or the cluster's reductions would not
-    match); after sync_clusters() every rank holds the same parameters."""
+    match); a collective across clusters issued right after each exchange (where
+    ``opt.local_steps_exchanges`` changes, the same count on every rank) completes, as the
+    guide tells a training loop to do; after sync_clusters() every rank holds the same
+    parameters."""
     import time
     torch.manual_seed(0)
     model = small_model()
@@ -135,19 +138,23 @@ def test_pace_time_a_slow_cluster_takes_fewer_steps_and_the_clusters_meet():
                                    named_parameters=model.named_parameters(),
                                    local_steps=hvd.LocalSteps(every=4, pace="time"))
     slow = global_process_set.topology.cluster_id == 1
-    periods, step = [], 0
-    while opt._outer.progress.exchanges < 4:
+    periods, logged, step = [], [], 0
+    assert opt.local_steps_exchanges == 0
+    while opt.local_steps_exchanges < 4:
         opt.zero_grad()
         x, y = _batch(step * 100 + hvd.rank())
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
         if slow:
             time.sleep(0.03)
         steps = opt._outer.progress.local_steps + 1
-        before = opt._outer.progress.exchanges
+        before = opt.local_steps_exchanges
         opt.step()
-        if opt._outer.progress.exchanges > before:
+        if opt.local_steps_exchanges > before:
             periods.append(steps)
+            logged.append(hvd.allreduce(loss.detach(), name="pace.loss.%d" % opt.local_steps_exchanges).item())
         step += 1
+    assert len(logged) == 4 and all(v == v for v in logged)
     everyone = hvd.allgather(torch.tensor([periods]), name="pace.periods")
     fast_rows = [r for r in range(hvd.size()) if global_process_set.topology.cluster_of_rank[r] == 0]
     slow_rows = [r for r in range(hvd.size()) if global_process_set.topology.cluster_of_rank[r] == 1]
