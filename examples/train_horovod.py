@@ -23,7 +23,8 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=20,
+                        help="steps between logged lines (--pace time: exchanges)")
     parser.add_argument("--compression", default="none",
                         help="none, fp16, bf16, a sparse WAN compressor (topk, cacheaware, threshold, randomk, "
                              "sparseloco, dct: --bits, --chunk), or thc (homomorphic quantization, --bits)")
@@ -70,6 +71,12 @@ def main():
                         help="--local-steps: Streaming DiLoCo's fragments, exchanged in turn (H a multiple of it)")
     parser.add_argument("--fragment-delay", type=int, default=0,
                         help="--local-steps: inner steps a fragment's exchange is in flight before it is applied")
+    parser.add_argument("--pace", choices=["steps", "time"], default="steps",
+                        help="--local-steps: 'time': each cluster takes the steps that fit in the fastest cluster's "
+                             "period of H steps (hvd.LocalSteps(pace='time'))")
+    parser.add_argument("--slow-cluster-ms", type=float, default=0.0,
+                        help="the last cluster's ranks sleep this long after every step (a slower GPU there); use "
+                             "with a large --log-every, whose step-counted logs hold the fast cluster back")
     parser.add_argument("--local-clip", type=float, default=None,
                         help="(deprecated, no gain measured) DGC's local gradient clipping to norm C / sqrt(size)")
     parser.add_argument("--time-budget", type=float, default=0.0,
@@ -83,6 +90,8 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the model and batches live (cuda: this rank's GPU, local rank modulo the count)")
     args = parser.parse_args()
+    if args.pace == "time" and not (args.local_steps and args.time_budget):
+        parser.error("--pace time needs --local-steps and --time-budget (clusters take different numbers of steps)")
 
     hvd.init()
     if args.device == "cuda":
@@ -138,7 +147,7 @@ def main():
                                              compression=compression,
                                              local_steps=hvd.LocalSteps(every=args.local_steps, outer=outer, **outer_lr,
                                                                         fragments=args.fragments,
-                                                                        delay=args.fragment_delay))
+                                                                        delay=args.fragment_delay, pace=args.pace))
     else:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, **deprecated)
@@ -159,6 +168,8 @@ def main():
     t_last = time.perf_counter()
     t_mark, s_mark = t_last, 0.0
     step, next_check, next_eval = 0, 1, args.eval_seconds
+    slow = args.slow_cluster_ms / 1000.0 if hvd.cluster_id() == hvd.num_clusters() - 1 else 0.0
+    paced, exchanges_seen, step_logged = args.pace == "time" and bool(args.local_steps), 0, 0
     curve.append((0.0, 0, None, held_out_loss()))   # where both runs start
     while True:
         step += 1
@@ -167,9 +178,16 @@ def main():
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
+        if slow:
+            time.sleep(slow)
         last_step = step >= args.steps if not args.time_budget else False
         log_now = step % args.log_every == 0
         eval_steps = bool(args.eval_every) and step % args.eval_every == 0
+        if paced:   # the clusters' step counts differ: collectives across them only right after an exchange
+            landed = optimizer.local_steps_exchanges
+            if landed == exchanges_seen:
+                continue
+            exchanges_seen, log_now, eval_steps, next_check = landed, landed % args.log_every == 0, False, step
         if not (log_now or eval_steps or last_step or step == next_check):
             continue
         if device.type == "cuda":
@@ -188,10 +206,10 @@ def main():
             last = hvd.stats()["last_step"]
             density = last["density"]
             print("step %4d  t %6.1f s  loss %.4f  %.1f ms/step  WAN %.3f MB/step  density %s  route %s"
-                  % (step, elapsed, avg, 1000 * (now - t_last) / args.log_every, last["wan_bytes_sent"] / 1e6,
+                  % (step, elapsed, avg, 1000 * (now - t_last) / max(1, step - step_logged), last["wan_bytes_sent"] / 1e6,
                      "%.4f" % density if density is not None else "-", optimizer.route), flush=True)
         if log_now:
-            t_last = now
+            t_last, step_logged = now, step
         train_s = elapsed
         if eval_now:
             while args.eval_seconds and next_eval <= elapsed:
