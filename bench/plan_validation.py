@@ -50,6 +50,10 @@ CONFIGS = [
     (8, 2, "100mbit", "cacheaware-1%"),
     (8, 4, "1gbit", "thc-4"),
     (8, 4, "20mbit", "local-32-thc4"),
+    # issue 31's routes: SparseLoCo's pseudo-gradient (outer sum) and Streaming DiLoCo's fragments
+    (2, 2, "20mbit", "local-8-sparseloco1"),
+    (4, 2, "100mbit", "local-8-sparseloco1"),
+    (4, 2, "100mbit", "local-8-f4-thc4"),
 ]
 
 TRAIN_ARGS = {
@@ -60,6 +64,10 @@ TRAIN_ARGS = {
     "thc-4": ["--compression", "thc", "--bits", "4"],
     "local-8-thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "8"],
     "local-32-thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "32"],
+    "local-8-sparseloco1": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay", "0.95",
+                            "--local-steps", "8", "--outer", "sum"],
+    "local-8-f4-thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "8", "--fragments", "4",
+                        "--fragment-delay", "1"],
 }
 
 
