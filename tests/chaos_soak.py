@@ -45,11 +45,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from mpi_launch import mpirun_path, tagged_processes  # noqa: E402
 from stellarun import leftovers, status, wan  # noqa: E402
 
-ROUTES = ("dense", "sparse", "thc", "cpu", "local", "local-overlap", "switch", "auto")
+ROUTES = ("dense", "sparse", "thc", "cpu", "local", "local-overlap", "fragments", "switch", "auto")
 FAULTS = ("kill", "term", "stop", "cut-short", "cut-long", "nan", "garbage", "revoke")
 LAUNCHERS = ("mpirun", "stellarun", "elastic")
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
-GARBAGE_ROUTES = ("sparse", "thc", "cpu", "local", "switch", "auto")   # a payload a peer can corrupt
+GARBAGE_ROUTES = ("sparse", "thc", "cpu", "local", "fragments", "switch", "auto")   # a payload a peer can corrupt
 TIMEOUT = 10          # STELLA_TIMEOUT of every job
 STEPS, COMMIT = 40, 5
 SHORT_CUT_S, LONG_CUT_S = 3, 3 * TIMEOUT

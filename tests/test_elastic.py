@@ -38,14 +38,18 @@ def hosts(tmp_path):
 
 
 def _launch(tmp_path, script, steps, engine="sync"):
+    route = ["--route", "fragments"] if engine == "fragments" else ["--engine", engine]
     return eh.launch(tmp_path, script, 4, steps, train_args=["--commit-every", str(COMMIT_EVERY),
-                                                              "--step-sleep", "0.05", "--engine", engine])
+                                                              "--step-sleep", "0.05"] + route)
 
 
-@pytest.mark.parametrize("engine", ["sync", pytest.param("cpu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("engine", ["sync", pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("fragments", marks=pytest.mark.slow)])
 def test_revoked_host_is_survived_and_rejoins(tmp_path, hosts, engine):
     """(engine="cpu": its state is sharded over the ranks, so only the root's load holds the
-    commit, and the resume syncs that; a state_dict() there is collective and stalled it.)"""
+    commit, and the resume syncs that; a state_dict() there is collective and stalled it.
+    "fragments": local steps in two fragments with a delay, through SparseLoCo; every
+    fragment's outer state and anchor travel in the commit.)"""
     listing, script = hosts
     before = set(glob.glob("/tmp/stella-elastic-*"))
     proc, log, out, f = _launch(tmp_path, script, steps=120, engine=engine)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import stella_mpi as hvd  # noqa: E402
 
-ROUTES = ("dense", "sparse", "thc", "cpu", "local", "local-overlap", "switch", "auto")
+ROUTES = ("dense", "sparse", "thc", "cpu", "local", "local-overlap", "fragments", "switch", "auto")
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
@@ -55,6 +55,9 @@ ROUTE_ARGS = {
             "engine": hvd.CpuEngine(staleness=1, warmup=0, model=model)},
     "local": {"local_steps": hvd.LocalSteps(every=4, compression=hvd.Compression.thc(bits=4))},
     "local-overlap": {"local_steps": hvd.LocalSteps(every=4, overlap=True)},
+    # Streaming DiLoCo's fragments, each in flight for a step, through SparseLoCo's compressor
+    "fragments": {"local_steps": hvd.LocalSteps(every=4, fragments=2, delay=1, outer="sum", compression=hvd.Compression.sparseloco(
+        density=0.05, chunk=64, bits=2, feedback_decay=0.95))},
     "switch": {"compression": hvd.Compression.cacheaware(density=0.05), "adjuster": hvd.Adjuster(modes=("sync", "local")),
                "local_steps": hvd.LocalSteps(every=4, compression=hvd.Compression.thc(bits=4))},
     "auto": {},
