@@ -106,6 +106,9 @@ MODES = {
     "local8+sparseloco": ["--mode", "local:8:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay",
                           "0.95"],
     "sum8+sparseloco": ["--mode", "sum:8:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay", "0.95"],
+    # SparseLoCo's recipe at shorter periods: nearer the synchronous route's progress per step
+    "sum2+sparseloco": ["--mode", "sum:2:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay", "0.95"],
+    "sum4+sparseloco": ["--mode", "sum:4:sparseloco", "--density", "0.01", "--bits", "2", "--feedback-decay", "0.95"],
     "local8+f4+thc": ["--mode", "local:8:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "1"],
     "local32+f4+sparseloco": ["--mode", "local:32:sparseloco", "--density", "0.01", "--bits", "2",
                               "--feedback-decay", "0.95", "--fragments", "4", "--fragment-delay", "1"],
