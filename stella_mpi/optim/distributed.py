@@ -181,9 +181,9 @@ class _DistributedOptimizer(BucketedOptimizer):
 
     @property
     def local_steps_every(self):
-        """H now: local steps between two exchanges across clusters (None outside local steps)."""
-        local = self._tuner.local if self._tuner is not None else self._outer
-        return local.every if getattr(local, "kind", None) == "local" else None
+        """H now: local steps between two exchanges across clusters (None outside local steps,
+        also while the automatic route is on its synchronous route)."""
+        return self._outer.every if self._outer.kind == "local" else None
 
     @property
     def local_steps_exchanges(self):
@@ -192,8 +192,7 @@ class _DistributedOptimizer(BucketedOptimizer):
         took: with ``LocalSteps(pace="time")`` clusters take different numbers of steps, so a
         collective across clusters in the training loop (a logged loss, an evaluation) must be
         issued where this count has just changed, or ranks wait on different collectives."""
-        local = self._tuner.local if self._tuner is not None else self._outer
-        return local.progress.exchanges if getattr(local, "kind", None) == "local" else None
+        return self._outer.progress.exchanges if self._outer.kind == "local" else None
 
     @property
     def local_steps_reason(self):

@@ -717,6 +717,8 @@ def test_mode_switch_chooses_the_pseudo_rung_on_every_rank():
     def watch(step, model, opt):
         rule = opt._tuner.rule
         seen.append((step, opt.mode, opt._tuner.pseudo.name if opt.mode == "local" else None))
+        local = opt.mode == "local"   # (H and the exchanges are those of a local phase, None outside)
+        assert (opt.local_steps_every is not None) == local and (opt.local_steps_exchanges is not None) == local
         if step in (2, 12):
             rule.sync_score = lambda est: float("inf")
             best = int(step == 12)   # THC's rung scores best entering local steps, SparseLoCo's from step 12
