@@ -41,17 +41,27 @@ int stella_chunk_topk_count(int64_t n, int64_t chunk, int64_t k, int64_t *total)
     return STELLA_OK;
 }
 
-/* The m-th largest (1 <= m <= len) of len keys by 8-bit radix digits (four passes over the
- * keys whatever they hold); *ties gets how many keys equal to it are among the m largest. */
-static uint32_t kth_largest(const uint32_t *key, int64_t len, int64_t m, int64_t *ties) {
-    uint32_t prefix = 0, mask = 0;
+/* The m-th largest (1 <= m <= len) of len keys by 8-bit radix digits; *ties gets how many keys
+ * equal to it are among the m largest. ``top`` is the histogram of the keys' top byte (the
+ * caller builds it in its own pass over them). The keys with the chosen top byte are copied to
+ * ``scratch`` (len entries) and the three lower digits are read from that copy alone: on
+ * gradients it holds a few percent of the chunk, so the chunk is read twice instead of four
+ * times. */
+static uint32_t kth_largest(const uint32_t *key, int64_t len, int64_t m, const int64_t top[256],
+                            uint32_t *scratch, int64_t *ties) {
     int64_t need = m;
-    for (int shift = 24; shift >= 0; shift -= 8) {
+    int d = 255;
+    while (top[d] < need) { need -= top[d]; d--; }   /* d >= 0: m keys in all */
+    uint32_t prefix = (uint32_t)d << 24, mask = 0xff000000u;
+    int64_t count = 0;
+    for (int64_t i = 0; i < len; i++)
+        if ((key[i] & mask) == prefix) scratch[count++] = key[i];
+    for (int shift = 16; shift >= 0; shift -= 8) {
         int64_t hist[256] = {0};
-        for (int64_t i = 0; i < len; i++)
-            if ((key[i] & mask) == prefix) hist[(key[i] >> shift) & 255]++;
-        int d = 255;
-        while (hist[d] < need) { need -= hist[d]; d--; }   /* d >= 0: m keys match the prefix */
+        for (int64_t i = 0; i < count; i++)
+            if ((scratch[i] & mask) == prefix) hist[(scratch[i] >> shift) & 255]++;
+        d = 255;
+        while (hist[d] < need) { need -= hist[d]; d--; }   /* d >= 0: need keys match the prefix */
         prefix |= (uint32_t)d << shift;
         mask |= 0xffu << shift;
     }
@@ -73,17 +83,20 @@ int stella_chunk_topk_f32(const float *grad, float *residual, int64_t n, int64_t
     int64_t width = n < chunk ? n : chunk;
     float *acc = malloc((size_t)width * sizeof(float));
     uint32_t *key = malloc((size_t)width * sizeof(uint32_t));
-    if (!acc || !key) { free(acc); free(key); return STELLA_ERR_NOMEM; }
+    uint32_t *scratch = malloc((size_t)width * sizeof(uint32_t));
+    if (!acc || !key || !scratch) { free(acc); free(key); free(scratch); return STELLA_ERR_NOMEM; }
     int64_t o = 0;
     for (int64_t s = 0; s < n; s += chunk) {
         int64_t len = n - s < chunk ? n - s : chunk, kc = 0;
+        int64_t top[256] = {0};
         stella_chunk_k(k, chunk, len, &kc);
         for (int64_t i = 0; i < len; i++) {
             acc[i] = residual ? grad[s + i] + residual[s + i] : grad[s + i];
             key[i] = stella_mag_key(acc[i]);
+            top[key[i] >> 24]++;
         }
         int64_t ties = 0;
-        uint32_t t = kc < len ? kth_largest(key, len, kc, &ties) : 0;
+        uint32_t t = kc < len ? kth_largest(key, len, kc, top, scratch, &ties) : 0;
         int all = kc == len;
         for (int64_t i = 0; i < len; i++) {
             int take = all || key[i] > t || (key[i] == t && ties > 0 && ties--);
@@ -93,6 +106,7 @@ int stella_chunk_topk_f32(const float *grad, float *residual, int64_t n, int64_t
     }
     free(acc);
     free(key);
+    free(scratch);
     *out_k = o;
     return STELLA_OK;
 }
