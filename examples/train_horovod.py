@@ -75,8 +75,8 @@ def main():
                         help="--local-steps: 'time': each cluster takes the steps that fit in the fastest cluster's "
                              "period of H steps (hvd.LocalSteps(pace='time'))")
     parser.add_argument("--slow-cluster-ms", type=float, default=0.0,
-                        help="the last cluster's ranks sleep this long after every step (a slower GPU there); use "
-                             "with a large --log-every, whose step-counted logs hold the fast cluster back")
+                        help="the last cluster's ranks sleep this long after every step (a slower GPU there; with "
+                             "--pace time the fast cluster trains on meanwhile)")
     parser.add_argument("--local-clip", type=float, default=None,
                         help="(deprecated, no gain measured) DGC's local gradient clipping to norm C / sqrt(size)")
     parser.add_argument("--time-budget", type=float, default=0.0,

@@ -143,7 +143,6 @@ class SparseLoCoCompressor(SparseCompressor):
         return Selection(idx, val, sel.numel, scales=scales)
 
     def encode(self, sel, ctx):
-        sel = _on_host(sel)
         if self.bits is None:
             return codec.encode(sel.indices, sel.values, sel.numel, "auto", "float32")
         sel = self.to_wire(sel)
@@ -155,12 +154,3 @@ class SparseLoCoCompressor(SparseCompressor):
             return Selection(idx, val, int(numel))
         idx, val, scales = kernels.decode(payload, int(numel), self.chunk, self.bits)
         return Selection(idx, val, int(numel), scales=scales)
-
-
-def _on_host(sel):
-    """``sel`` with its tensors in host memory (a device selection encoded outside the exchange,
-    which copies it through its pinned buffers first)."""
-    if sel.indices.device.type == "cpu":
-        return sel
-    return Selection(sel.indices.cpu(), sel.values.cpu(), sel.numel, sel.key,
-                     None if sel.scales is None else sel.scales.cpu())

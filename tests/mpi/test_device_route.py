@@ -145,10 +145,10 @@ PSEUDO = {   # the pseudo-gradient's compression and the outer step it is meant 
 @pytest.mark.parametrize("pseudo", sorted(PSEUDO))
 def test_local_steps_on_the_device(device_route, pseudo, fragments):
     """Local steps with the model on the device: every rank holds the same bits after each
-    exchange, and the parameters follow the host route's (THC: agreement only). Plain SGD at lr 1 and the outer sum
-    (lr 2) or average round the same on both sides, so the pseudo-gradient's selection and
-    quantisation see the same numbers; the DCT's inverse is a matrix product, so it is
-    compared within a tolerance."""
+    exchange, and the parameters follow the host route's (THC: agreement only). Plain SGD at
+    lr 1 and the outer sum (lr 2) or average round the same on both sides, so the
+    pseudo-gradient's selection and quantisation see the same numbers; the DCT's inverse is a
+    matrix product, so it is compared within a tolerance."""
     comp, outer = PSEUDO[pseudo]
 
     def train(device):
