@@ -17,6 +17,7 @@ import torch
 import stella_mpi as hvd
 from reference import nonfinite_policy, rank_batch, small_model
 from stella_mpi.base.errors import NonFiniteGradientError
+from stella_mpi.core import state
 from stella_mpi.core.process_sets import global_process_set
 
 
@@ -150,6 +151,39 @@ def test_gradscaler_skips_in_one_cluster_do_not_shift_the_exchanges(overlap):
     # the last cluster really skipped (a boundary step skipped changes nothing before its exchange)
     skipped = hvd.allgather_object(12 - stepped)
     assert max(skipped) >= 1 and min(skipped) == 0, skipped
+
+
+def test_a_cluster_of_one_rank_reduces_its_gradients_without_the_collective_thread(monkeypatch):
+    """Inner steps on a cluster of one rank submit nothing: the reduction over one rank is the
+    rank's own gradient (each submission cost a negotiation round with every rank of the job, and
+    queued behind an outer exchange in flight). A cluster of several ranks still reduces its
+    gradients collectively; the exchanges go through the collective thread everywhere; and an
+    Inf on one cluster is still refused there, never reaching the parameters."""
+    thread = state.current().collective_thread
+    names = []
+    submit = thread.submit
+    monkeypatch.setattr(thread, "submit", lambda op, post=None: (names.append(op.name), submit(op, post))[1])
+    model = small_model()
+    opt = _optimizer(model, every=4)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    names.clear()
+    for step in range(8):
+        opt.zero_grad()
+        x, y = rank_batch(hvd.rank(), step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 5 and _last_cluster():
+            loss = loss * float("inf")
+        loss.backward()
+        opt.step()
+    buckets = [n for n in names if n.startswith("DistributedOptimizer.bucket")]
+    if global_process_set.topology.cluster_size == 1:
+        assert buckets == [], buckets
+    else:
+        assert len(buckets) >= 8, names
+    assert any(n.startswith("local_steps.") for n in names), names
+    assert _counts(opt)[0][0] == 2
+    assert _same_everywhere(model)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 # ---------------------------------------------------------------- non-finite parameters

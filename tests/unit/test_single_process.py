@@ -74,3 +74,42 @@ def test_single_process_lifecycle():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "single-process checks passed" in proc.stdout
+
+
+ALONE = r'''
+import torch, stella_mpi as hvd
+from stella_mpi.base.errors import NonFiniteGradientError
+from stella_mpi.optim.routes.sync import reduce_alone
+hvd.init()
+torch.manual_seed(0)
+# the same bits as the collective thread's grouped allreduce over one rank, scaling included
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    for pre, post in ((1.0, 1.0), (1 / 3.0, 3.0), (0.1, 7.0)):
+        xs = [torch.randn(n).to(dtype) for n in (0, 1, 1000, 4097)]
+        want = hvd.grouped_allreduce([x.clone() for x in xs], op=hvd.Average, prescale_factor=pre,
+                                     postscale_factor=post)
+        mine = [x.clone() for x in xs]
+        got = hvd.synchronize(reduce_alone(mine, "g", pre, post))
+        assert got is mine
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (dtype, pre, post)
+# NaN or Inf anywhere: refused, naming the rank and the op
+for bad in (float("nan"), float("inf")):
+    xs = [torch.ones(3), torch.tensor([1.0, bad])]
+    try:
+        hvd.synchronize(reduce_alone(xs, "DistributedOptimizer.bucket.0", 1.0, 1.0))
+    except NonFiniteGradientError as e:
+        assert "rank 0" in str(e) and "DistributedOptimizer.bucket.0" in str(e), e
+    else:
+        raise SystemExit("a non-finite gradient was not refused")
+hvd.shutdown()
+print("reduce_alone checks passed")
+'''
+
+
+def test_a_reduction_over_one_rank_is_the_collectives_without_it():
+    """``reduce_alone`` (the gradient routes on a process set of one rank, e.g. local steps on
+    clusters of one rank) gives the bits of the collective thread's grouped allreduce over one
+    rank, in every float dtype with Horovod's pre- and postscale, and refuses NaN/Inf."""
+    proc = subprocess.run([sys.executable, "-c", ALONE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reduce_alone checks passed" in proc.stdout

@@ -24,8 +24,10 @@ from ...api.handles import synchronize
 from ...api.reduce_ops import Average, Sum
 from ...api.sparse_tensors import sparse_allreduce_async
 from ...base.errors import NonFiniteGradientError
+from ...comm.hierarchy import compute_dtype
 from ...compression import Compression
 from ...core import state
+from ...core.fusion import scale
 from ...core.nonfinite import has_nonfinite
 from ..buckets import Bucket
 from ..momentum_correction import plain_sgd_step
@@ -49,6 +51,32 @@ def density_warmup(comp, step, steps, cap=1.0):
 # bytes per sent entry on the wire, by compressor (values 4 B plus index bytes; cache-aware sends
 # one 2-4 byte block id per 16 values; random-k sends no indices); a dense entry costs 4 B
 ENTRY_BYTES = {"cacheaware": 4.25, "topk": 6.0, "threshold": 6.0, "randomk": 4.0}
+
+
+def reduce_alone(tensors, name, prescale, postscale):
+    """The grouped allreduce of ``tensors`` (in place) over a process set of this rank alone,
+    without the collective thread: any op over one rank is the identity, then the scaling (in
+    the reduction's dtype, as the executor does), and NaN/Inf is refused as the agreement round
+    refuses it. The collective would cost a negotiation round with every rank of the job (local
+    steps with clusters of one rank: one per inner step, queued behind an outer exchange in
+    flight). Returns the handle: a function that ``synchronize`` calls."""
+    rt = state.current()
+    if rt.config.nonfinite != "off" and has_nonfinite(tensors):
+        error = NonFiniteGradientError("rank %d: a non-finite gradient (NaN or Inf) on rank %d in the grouped "
+                                       "allreduce %r; refused on every rank" % (rt.rank, rt.rank, name))
+
+        def refused():
+            raise error
+        return refused
+    if prescale != 1.0 or postscale != 1.0:
+        for t in tensors:
+            buf = t if t.dtype == compute_dtype(t.dtype) else t.to(compute_dtype(t.dtype))
+            for factor in (prescale, postscale):
+                if factor != 1.0:
+                    scale(buf, factor)
+            if buf is not t:
+                t.copy_(buf)
+    return lambda: tensors
 
 
 class SyncBucket(Bucket):
@@ -165,12 +193,16 @@ class SyncRoute:
         raise NotImplementedError
 
     def _dense(self, bucket, grads, name, compression=Compression.none):
-        """Horovod's grouped allreduce of ``grads`` through a dense compressor."""
+        """Horovod's grouped allreduce of ``grads`` through a dense compressor (on a set of one
+        rank, the same result computed here: :func:`reduce_alone`)."""
         prescale, postscale = self._scales()
         pairs = [compression.compress(g) for g in grads]
         tensors = [c.contiguous() for c, _ in pairs]
         bucket.compressed = list(zip(tensors, [ctx for _, ctx in pairs]))
         bucket.decompress = compression.decompress
+        if self.process_set.size() == 1:
+            bucket.handle = reduce_alone(tensors, name, prescale, postscale)
+            return
         bucket.handle = allreduce_tensors_async(tensors, inplace_outputs, name, self.op, prescale, postscale,
                                                 self.process_set, "grouped_allreduce", gradients=True)
 
