@@ -26,6 +26,7 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -113,7 +114,9 @@ def main():
                 fn()
             if o is not None:
                 o.wait_updates()   # the updates still in flight belong to this phase's steps
-            times[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / args.steps)
+            took = np.array([time.perf_counter() - t0])
+            comm.Allreduce(MPI.IN_PLACE, took, op=MPI.MAX)   # (comm.allreduce holds the GIL while it waits)
+            times[name].append(float(took[0]) / args.steps)
             if o is not None:
                 o.drain()   # master weights back in the model (prediction): not a per-step cost
                 after = o.engine_times()

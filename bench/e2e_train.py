@@ -127,6 +127,16 @@ def postlocal_averaged(opt):
     return s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0
 
 
+def sum_over_ranks(values, op=MPI.SUM):
+    """``values`` (floats) reduced over COMM_WORLD, through mpi4py's buffer call: its pickle-based
+    ``comm.allreduce`` holds Python's GIL while it waits for the other ranks, so stella_mpi's
+    collective thread cannot run on this rank meanwhile, and a rank whose step still waits on
+    that thread never comes (an intermittent deadlock: docs/guides/failures.md)."""
+    buf = np.array(values, dtype=np.float64)
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=op)
+    return buf
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", required=True, help="compute, ddp, powersgd, postlocal:H, auto (the untouched Horovod "
@@ -266,7 +276,7 @@ def main():
                     p.copy_(mine[n])
             else:
                 loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
-            return MPI.COMM_WORLD.allreduce(loss) / size
+            return sum_over_ranks([loss])[0] / size
 
     records, reached, curve = [], None, []
     MPI.COMM_WORLD.Barrier()
@@ -295,7 +305,7 @@ def main():
         # compute time in another. The step time runs from one step's end to the next one's, so
         # this bookkeeping is counted in (~1 ms; more where it waits behind the CPU engine's MPI
         # traffic, which is then the engine's cost, not to be hidden)
-        loss_sum, wan_all = MPI.COMM_WORLD.allreduce(np.array([loss.item(), wan], dtype=np.float64))
+        loss_sum, wan_all = sum_over_ranks([loss.item(), wan])
         clocks = np.array([compute, now - t0 - paused])
         MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
         compute_max, elapsed = float(clocks[0]), float(clocks[1])

@@ -296,7 +296,9 @@ def main():
                 model.reshard()   # FSDP: a forward without backward leaves the evaluated model gathered
             for n, q in model.named_parameters():
                 local(q).copy_(mine[n])
-            return comm.allreduce(loss) / size
+            buf = np.array([loss])
+            comm.Allreduce(MPI.IN_PLACE, buf)   # (not comm.allreduce: that one holds the GIL while it waits)
+            return float(buf[0]) / size
 
     records, reached, curve = [], None, []
     comm.Barrier()
@@ -321,7 +323,9 @@ def main():
         synced = keep["fragment_bytes"][before % nfrag] if manager.current_step() != before else 0
         now = time.perf_counter()
         # as e2e_train: the mean loss in one allreduce, the slowest rank's clocks in another
-        loss_sum, _ = comm.allreduce(np.array([loss.item(), 0.0], dtype=np.float64))
+        sums = np.array([loss.item(), 0.0])
+        comm.Allreduce(MPI.IN_PLACE, sums)
+        loss_sum = float(sums[0])
         clocks = np.array([compute, now - t0 - paused])
         comm.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
         compute_max, elapsed = float(clocks[0]), float(clocks[1])

@@ -66,6 +66,23 @@ def test_stalled_rank_hits_the_deadline():
     assert "ending the job on every rank" in out
 
 
+def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
+    """mpi4py's pickle-based comm.allreduce (comm.gather, comm.reduce) holds Python's GIL while it
+    waits for the other ranks, so stella_mpi's collective thread on that rank cannot run and its
+    rounds stop: the others' deadline names the negotiation round they were in, what they waited
+    for and the rank, and says what may hold the GIL (not a collective that had completed long
+    before, as the message named until the collective thread forgot its last op)."""
+    proc, elapsed = _launch("gil_held", timeout_env="8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "negotiation round (this rank waited for 'after_warmup')" in out, out[-3000:]
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\) never came", out), out[-3000:]
+    assert "holds Python's GIL" in out and "comm.Allreduce" in out, out[-3000:]
+    assert "'warmup'" not in out, out[-3000:]
+    assert "finished without noticing" not in out
+
+
 @pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 8 s"),
                                        # before MPI_Init nobody can be asked; the watchdogs look at the
                                        # ranks under the same hydra proxy (found by the chaos soak)

@@ -119,8 +119,10 @@ def ask(where, peers, grace_s):
             waiting.setdefault(_heard[p], []).append(p)
     lines = []
     if silent:
-        lines.append("%s never came (no answer within %.0f s: stalled, dead, or busy outside stella_mpi's waits)"
-                     % (", ".join(describe_rank(p) for p in silent), grace_s))
+        lines.append("%s never came (no answer within %.0f s: stalled, dead, or busy outside stella_mpi's waits; "
+                     "a thread that blocks while it holds Python's GIL, as mpi4py's pickle-based comm.allreduce, "
+                     "comm.gather and comm.reduce do, stops stella_mpi's collective thread on its rank: use the "
+                     "buffer forms, comm.Allreduce ...)" % (", ".join(describe_rank(p) for p in silent), grace_s))
     else:
         lines.append("every peer answered: they wait elsewhere")
     for place, ranks in waiting.items():

@@ -416,6 +416,7 @@ class CollectiveThread:
                 result = _traced([op], first.desc["name"], lambda: execute(pset, first.desc, inputs, first.joined))
                 if op is not None:
                     self._finish(op, result=result)
+                self._current = None   # a later failure of a round must not name this op
                 return
             tensors, outputs, shapes, spans = [], [], [], []
             for item, op in zip(group, ops):

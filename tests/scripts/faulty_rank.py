@@ -37,6 +37,17 @@ def reduce_tampered(tamper, comp, name):
     raise SystemExit(0)
 
 
+if mode == "gil_held":
+    # rank 1 waits in mpi4py's pickle-based allreduce (alone: the others never call it), which
+    # holds the GIL while it blocks: its collective thread cannot run, so the others' next op
+    # never gets through negotiation
+    if hvd.rank() == 1:
+        MPI.COMM_WORLD.allreduce(1)
+    hvd.allreduce(torch.ones(4), name="after_warmup")
+    print("rank %d finished without noticing the failure" % hvd.rank())
+    raise SystemExit(0)
+
+
 if mode == "corrupt":
     def flip_index_bytes(payload):
         bad = payload.clone()
