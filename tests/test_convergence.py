@@ -87,6 +87,7 @@ def test_cpu_engine_at_staleness_one_with_its_defaults_within_three_percent(tmp_
     assert c <= 1.03 * d      # measured +1.5 %
 
 
+@pytest.mark.slow   # (the hook reduces as the optimizer's route does: tests/mpi/test_ddp.py; that route's 1 % above)
 def test_ddp_hook_at_one_percent_matches_dense(tmp_path, dense):
     """torch's DDP with stella's hook (examples/train_ddp.py: the same model, data and seeds,
     SGD with momentum wrapped by ddp.wrap_optimizer for DGC's momentum correction) at cache-aware

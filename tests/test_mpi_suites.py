@@ -1,6 +1,7 @@
 """Launch the per-rank suites in tests/mpi under mpirun, over several layouts:
 one and two clusters, 2, 3 and 4 ranks, uneven clusters, interleaved cluster labels,
-and both intra-cluster backends."""
+and both intra-cluster backends. (-m "" also runs the layouts marked slow: each repeats what
+a layout of the default run covers.)"""
 import pytest
 
 from mpi_launch import run_mpi, run_mpmd
@@ -25,7 +26,9 @@ LAYOUTS = [
     ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py",
                                                              "--ignore", FRAGMENTS]),
     pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
-    ("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL),
+    # (every suite on uneven clusters runs by default with interleaved labels: test_suites_on_uneven_interleaved_clusters)
+    pytest.param("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL,
+                 marks=pytest.mark.slow),
     pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),   # gloo runs in np2-one-cluster, uneven clusters in np3-uneven-2+1
     ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
@@ -57,6 +60,16 @@ def test_suites_on_layout(name, np_, env, suites):
     _check(run_mpi(np_, suites, env=env, timeout=400), name)
 
 
+def test_suites_on_uneven_interleaved_clusters():
+    """STELLA_CLUSTER labels a,b,a with the mpi intra backend: two clusters, one of two ranks
+    that are not consecutive (0 and 2), one of rank 1 alone; every suite. Uneven and interleaved
+    clusters in one job of three ranks (it stands for np3-uneven-2+1 and the four-rank
+    interleaved layout below in the default run)."""
+    parts = [(1, {"STELLA_CLUSTER": lab}, ALL) for lab in ("a", "b", "a")]
+    _check(run_mpmd(parts, timeout=400, env={"STELLA_INTRA_BACKEND": "mpi"}), "labels a,b,a")
+
+
+@pytest.mark.slow   # interleaved labels run by default in test_suites_on_uneven_interleaved_clusters
 def test_suites_with_interleaved_cluster_labels():
     """STELLA_CLUSTER labels a,b,a,b: clusters are not blocks of consecutive ranks. The suites
     whose routes map ranks to clusters: collectives, the optimizer (automatic route, local steps,
