@@ -130,7 +130,7 @@ def worker(out):
             rows.append({k: int(last[k]) for k in COUNTED})
         records[name] = rows
         del opt
-    gathered = MPI.COMM_WORLD.gather(records, root=0)
+    gathered = MPI.COMM_WORLD.allgather(records)   # (not gather: that one holds the GIL while it waits)
     if hvd.rank() == 0:
         by_route = {name: [[gathered[r][name][s] for r in range(hvd.size())] for s in range(steps)]
                     for name, _, steps in routes()}

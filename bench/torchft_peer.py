@@ -96,7 +96,9 @@ def replica_groups():
     --wan) split into contiguous runs, the first ones larger by one (stellarun's and stella_mpi's
     split); else one group."""
     comm = MPI.COMM_WORLD
-    if comm.allreduce(int("STELLA_CLUSTER" in os.environ), op=MPI.MIN):
+    labelled = np.array([int("STELLA_CLUSTER" in os.environ)])
+    comm.Allreduce(MPI.IN_PLACE, labelled, op=MPI.MIN)
+    if labelled[0]:
         return cluster_ranks()
     n = int(os.environ.get("STELLA_CLUSTERS", "1") or 1)
     q, r = divmod(comm.Get_size(), n)

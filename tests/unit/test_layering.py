@@ -2,7 +2,8 @@
 in functions included), no module imports itself through a cycle, stella_mpi and the stellarun
 launcher never load each other (nor does the launcher load torch, MPI or numpy), and every
 STELLA_* variable the launcher names is one the runtime's config reads (or one it only tells
-the job's own scripts)."""
+the job's own scripts), and no program of ours calls an mpi4py reduction that holds the GIL
+while it waits."""
 import ast
 import os
 import re
@@ -279,3 +280,27 @@ def test_mpi_is_started_only_under_its_watchdog():
             parts = target.split(".")
             todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES
                      and ".".join(parts[:i]) != "stella_mpi"]
+
+
+# mpi4py's pickle-based reductions hold the GIL while they wait for the other ranks, which stops
+# stella_mpi's collective thread on that rank (docs/guides/failures.md); the buffer forms do not
+GIL_HOLDING = re.compile(r"\b(?:MPI\.COMM_WORLD|comm|world)\.(?:allreduce|gather|reduce)\(")
+# (the one place that calls it on purpose: the fault test of exactly that)
+GIL_HOLDING_ON_PURPOSE = {os.path.join("tests", "scripts", "faulty_rank.py")}
+
+
+def test_no_pickle_based_mpi4py_reductions_in_our_programs():
+    found = []
+    for top in ("stella_mpi", "stellarun", "bench", "examples", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)
+                if not f.endswith(".py") or rel in GIL_HOLDING_ON_PURPOSE or rel == os.path.relpath(__file__, ROOT):
+                    continue
+                with open(path, encoding="utf-8") as fh:
+                    for n, line in enumerate(fh, 1):
+                        if GIL_HOLDING.search(line) and not line.lstrip().startswith("#"):
+                            found.append("%s:%d: %s" % (rel, n, line.strip()))
+    assert not found, ("mpi4py's comm.allreduce/gather/reduce hold the GIL while they wait (use comm.Allreduce, "
+                       "comm.Gather on buffers, or hvd's collectives):\n" + "\n".join(found))
