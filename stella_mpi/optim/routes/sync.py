@@ -55,28 +55,29 @@ ENTRY_BYTES = {"cacheaware": 4.25, "topk": 6.0, "threshold": 6.0, "randomk": 4.0
 
 def reduce_alone(tensors, name, prescale, postscale):
     """The grouped allreduce of ``tensors`` (in place) over a process set of this rank alone,
-    without the collective thread: any op over one rank is the identity, then the scaling (in
-    the reduction's dtype, as the executor does), and NaN/Inf is refused as the agreement round
-    refuses it. The collective would cost a negotiation round with every rank of the job (local
-    steps with clusters of one rank: one per inner step, queued behind an outer exchange in
-    flight). Returns the handle: a function that ``synchronize`` calls."""
-    rt = state.current()
-    if rt.config.nonfinite != "off" and has_nonfinite(tensors):
-        error = NonFiniteGradientError("rank %d: a non-finite gradient (NaN or Inf) on rank %d in the grouped "
-                                       "allreduce %r; refused on every rank" % (rt.rank, rt.rank, name))
+    without the collective thread: NaN/Inf is refused as the agreement round refuses it, then
+    any op over one rank is the identity and the scaling follows (in the reduction's dtype, as
+    the executor does). The collective would cost a negotiation round with every rank of the job
+    (local steps with clusters of one rank: one per inner step, queued behind an outer exchange
+    in flight). Returns the handle: a function that ``synchronize`` calls, which does the work
+    then, so that a CUDA check's wait for the device comes after backward, not inside it."""
+    check = state.current().config.nonfinite != "off"
 
-        def refused():
-            raise error
-        return refused
-    if prescale != 1.0 or postscale != 1.0:
-        for t in tensors:
-            buf = t if t.dtype == compute_dtype(t.dtype) else t.to(compute_dtype(t.dtype))
-            for factor in (prescale, postscale):
-                if factor != 1.0:
-                    scale(buf, factor)
-            if buf is not t:
-                t.copy_(buf)
-    return lambda: tensors
+    def reduced():
+        if check and has_nonfinite(tensors):
+            rank = state.current().rank
+            raise NonFiniteGradientError("rank %d: a non-finite gradient (NaN or Inf) on rank %d in the grouped "
+                                         "allreduce %r; refused on every rank" % (rank, rank, name))
+        if prescale != 1.0 or postscale != 1.0:
+            for t in tensors:
+                buf = t if t.dtype == compute_dtype(t.dtype) else t.to(compute_dtype(t.dtype))
+                for factor in (prescale, postscale):
+                    if factor != 1.0:
+                        scale(buf, factor)
+                if buf is not t:
+                    t.copy_(buf)
+        return tensors
+    return reduced
 
 
 class SyncBucket(Bucket):
