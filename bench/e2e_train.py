@@ -127,13 +127,13 @@ def postlocal_averaged(opt):
     return s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0
 
 
-def sum_over_ranks(values, op=MPI.SUM):
+def sum_over_ranks(values):
     """``values`` (floats) reduced over COMM_WORLD, through mpi4py's buffer call: its pickle-based
     ``comm.allreduce`` holds Python's GIL while it waits for the other ranks, so stella_mpi's
     collective thread cannot run on this rank meanwhile, and a rank whose step still waits on
     that thread never comes (an intermittent deadlock: docs/guides/failures.md)."""
     buf = np.array(values, dtype=np.float64)
-    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=op)
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     return buf
 
 

@@ -416,27 +416,32 @@ class CollectiveThread:
                 result = _traced([op], first.desc["name"], lambda: execute(pset, first.desc, inputs, first.joined))
                 if op is not None:
                     self._finish(op, result=result)
-                self._current = None   # a later failure of a round must not name this op
-                return
-            tensors, outputs, shapes, spans = [], [], [], []
-            for item, op in zip(group, ops):
-                ins = op.inputs if op is not None else neutral_inputs(item.desc)[0]
-                spans.append((len(outputs), len(outputs) + len(ins[1])))
-                tensors.extend(ins[0])
-                outputs.extend(ins[1])
-                shapes.extend(item.desc["shapes"])
-            desc = dict(first.desc, shapes=shapes, name="%s (+%d fused)" % (first.desc["name"], len(group) - 1))
-            _traced(ops, desc["name"], lambda: EXECUTORS["allreduce"].run(pset, desc, (tensors, outputs), first.joined))
-            self.fused_ops += len(group)
-            for (a, b), op in zip(spans, ops):
-                if op is not None:
-                    self._finish(op, result=outputs[a:b])
+            else:
+                self._run_fused(group, ops, pset)
         except CollectiveRefused as e:
             for op in ops:
                 if op is not None:
                     self._finish(op, error=e)
-        # (not in a finally: a collective that fails keeps its op as the one to name)
+        # (not in a finally: a collective that fails keeps its op as the one to name; one that
+        # completed is forgotten, so that a later failure of a round does not name it)
         self._current = None
+
+    def _run_fused(self, group, ops, pset):
+        """Consecutive fusible allreduces (``ops``: None where this rank joined) as one buffer."""
+        first = group[0]
+        tensors, outputs, shapes, spans = [], [], [], []
+        for item, op in zip(group, ops):
+            ins = op.inputs if op is not None else neutral_inputs(item.desc)[0]
+            spans.append((len(outputs), len(outputs) + len(ins[1])))
+            tensors.extend(ins[0])
+            outputs.extend(ins[1])
+            shapes.extend(item.desc["shapes"])
+        desc = dict(first.desc, shapes=shapes, name="%s (+%d fused)" % (first.desc["name"], len(group) - 1))
+        _traced(ops, desc["name"], lambda: EXECUTORS["allreduce"].run(pset, desc, (tensors, outputs), first.joined))
+        self.fused_ops += len(group)
+        for (a, b), op in zip(spans, ops):
+            if op is not None:
+                self._finish(op, result=outputs[a:b])
 
     def _fail_named(self, op, exc, pending, join_op):
         """The named loop's form of :meth:`_fail_everything`: the op that failed (or the round),
