@@ -79,6 +79,15 @@ def poll(handle):
     return collective_thread("hvd.poll").poll(handle)
 
 
+def finished_at(handle):
+    """The time.perf_counter() at which the op behind ``handle`` ended (a group's: its last
+    member's), or None while it runs (stella_mpi's own: not part of Horovod's API)."""
+    if isinstance(handle, GroupHandle):
+        times = [finished_at(h) for h in handle.handles]
+        return None if any(t is None for t in times) else max(times, default=None)
+    return collective_thread("hvd.finished_at").finished_at(handle)
+
+
 def synchronize(handle):
     """Wait for an async op and return its output (None for an unknown handle, as in Horovod).
     The function ``sparse_allreduce_async`` returns is a handle too: it is called."""

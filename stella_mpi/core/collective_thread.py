@@ -81,11 +81,23 @@ class Op:
         self.submitted = self.accepted = None   # time.perf_counter() of submit() and of the thread taking it
 
 
+class _Done(threading.Event):
+    """The event of an op's end, with the time.perf_counter() it was set at (``at``; None before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.at = None
+
+    def set(self):
+        self.at = time.perf_counter()
+        super().set()
+
+
 class Handle:
     __slots__ = ("done", "result", "error", "name", "post", "pset")
 
     def __init__(self, name, post=None, pset=None):
-        self.done = threading.Event()
+        self.done = _Done()
         self.result = None
         self.error = None
         self.name = name
@@ -168,6 +180,11 @@ class CollectiveThread:
 
     def poll(self, hid):
         return self._get(hid).done.is_set()
+
+    def finished_at(self, hid):
+        """The time.perf_counter() at which the op of ``hid`` ended, or None while it runs."""
+        done = self._get(hid).done
+        return done.at if done.is_set() else None
 
     def wait(self, hid):
         handle = self._get(hid)
