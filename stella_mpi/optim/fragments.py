@@ -39,13 +39,17 @@ class Fragment:
 
 
 class InFlight:
-    """An exchange launched and not yet applied: its fragment, its pending handle, and the inner
-    steps left before it is applied."""
+    """An exchange launched and not yet applied: its fragment, its pending handle, the inner
+    steps left before it is applied, the fragment's parameters at the launch (``mix="progress"``;
+    else None), and the clock at its launch and at its arrival (None until seen)."""
 
-    def __init__(self, fragment, handle, left):
+    def __init__(self, fragment, handle, left, kept=None, launched=0.0):
         self.fragment = fragment
         self.handle = handle
         self.left = left
+        self.kept = kept
+        self.launched = launched
+        self.arrived = None
 
 
 class _Blocking:

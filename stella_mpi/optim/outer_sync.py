@@ -93,6 +93,7 @@ period's times are functions given to it (:func:`pseudo_gradient_exchange` and a
 in production), so it is tested in one process against a two-cluster simulation
 (tests/unit/test_outer_sync.py).
 """
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -138,7 +139,10 @@ class LocalSteps:
         is in flight at a time, the WAN carries one fragment at a time, and the order in which
         the outer steps apply is the launch order on every rank. 0: applied at once (blocking).
     mix: in [0, 1]: when an exchange lands, ``params = mix * params + (1 - mix) * global`` over
-        its fragment (0: the clusters' result, the ``delay`` steps since the launch dropped).
+        its fragment (0: the clusters' result, the ``delay`` steps since the launch dropped);
+        or "progress": ``params = global + (params - params at the launch)``, the cluster's own
+        progress of the ``delay`` steps kept on top of the clusters' result (as ``overlap``
+        does; the adjuster's delays use it). With no delay both forms take the result.
     fragment_groups: instead of the balanced cut, F lists of parameter names (as the optimizer
         knows them: ``named_parameters``) that cover every trainable parameter exactly once.
     pace: "steps" (every cluster takes ``every`` steps per period) or "time": clusters of
@@ -204,14 +208,16 @@ class LocalSteps:
             raise ValueError("LocalSteps(every=%d, fragments=%d, delay=%r): delay must be an int in [0, every/fragments) "
                              "= [0, %d): a fragment's exchange must land before the next fragment's launch, %d steps "
                              "later; lower delay, or raise every" % (every, f, self.delay, slot, slot))
-        if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0 <= self.mix <= 1:
+        if self.mix != "progress" and (isinstance(self.mix, bool) or not isinstance(self.mix, (int, float))
+                                       or not 0 <= self.mix <= 1):
             raise ValueError("LocalSteps: mix must be a number in [0, 1] (the share of the local parameters kept when "
-                             "an exchange lands; 0 takes the clusters' result), got %r" % (self.mix,))
+                             "an exchange lands; 0 takes the clusters' result) or \"progress\" (the cluster's progress "
+                             "since the launch kept on top of it), got %r" % (self.mix,))
         if self.overlap and (f > 1 or self.delay > 0):
             raise ValueError("LocalSteps(overlap=True, fragments=%d, delay=%d): overlap hides a whole-model exchange "
                              "behind the next period; fragments hide theirs behind inner steps: use delay=... with "
                              "overlap=False" % (f, self.delay))
-        if self.overlap and self.mix:
+        if self.overlap and self.mix not in (0, "progress"):
             raise ValueError("LocalSteps(overlap=True, mix=%r): overlap keeps the cluster's progress since the launch by "
                              "itself; mix weighs it when a delayed exchange lands: use delay=... with overlap=False, or "
                              "mix=0.0" % (self.mix,))
@@ -309,6 +315,16 @@ class NoOuterSync:
         return None
 
 
+@dataclass
+class _Cycle:
+    """What the current cycle of H steps spent (fragments; the adjuster's schedules measure it):
+    seconds its launches and landings blocked, the wire seconds of the exchanges that landed in
+    it, and how many landed."""
+    blocked: float = 0.0
+    wire: float = 0.0
+    landed: int = 0
+
+
 class LocalStepsState:
     """Where local steps stand: H now, steps since the last exchange (with fragments or a
     delay: the step within the schedule's cycle of H steps, 0 at its start), exchanges done (of
@@ -343,13 +359,11 @@ class LocalStepsSync:
         self.cluster_any = cluster_any or (lambda flag: flag)
         self.drop_nonfinite_state = drop_nonfinite_state   # () -> names whose inner state was dropped
         self.named = list(named)
-        self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
-        parts = plan_fragments(self.named, settings.fragments, settings.fragment_groups)
-        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part, clusters),
-                                   as_exchange(exchange, i, len(parts))) for i, part in enumerate(parts)]
+        self.clusters = clusters
+        self.exchange = exchange
+        self._plan(settings)
         self.progress = LocalStepsState(settings.every)
         self.anchor = {}
-        self.exchange = exchange
         self.channel = channel
         self.overlap = channel is not None
         if rule is not None and self.streaming:
@@ -369,6 +383,38 @@ class LocalStepsSync:
         self.refusals = []           # [(exchange number, message)]: exchanges refused for a non-finite value
         self.pending = None          # fragments: the exchange in flight (an InFlight), or None
         self._launch_due = None      # fragments: the fragment whose launch the step just counted owes
+        # the adjuster's schedules (ModeSwitch): replan() may change F and the delay from a phase to
+        # the next, and each cycle of H steps is measured for the mode rule (_measure_cycle)
+        self.schedules_chosen = False
+        self._cycle = _Cycle()
+
+    def _plan(self, settings):
+        """The fragments of ``settings`` (each with a fresh outer optimizer) and whether their
+        schedule runs."""
+        self.settings = settings
+        self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
+        parts = plan_fragments(self.named, settings.fragments, settings.fragment_groups)
+        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part, self.clusters),
+                                   as_exchange(self.exchange, i, len(parts))) for i, part in enumerate(parts)]
+
+    @property
+    def schedule(self):
+        """(F, delay) now."""
+        return len(self.fragments), self.settings.delay
+
+    def replan(self, every, fragments, delay):
+        """The adjuster's schedule for the next phase: H = ``every``, F = ``fragments`` (the
+        balanced cut), ``delay``; the exchange in flight completed and forgotten, each fragment's
+        outer optimizer new (a phase starts from fresh anchors: :meth:`restart`). Each fragment's
+        collectives keep their names, ``<name>.f<index>`` of F, so what a schedule's residuals
+        did not send waits for the next phase of the same F. ValueError as LocalSteps raises it
+        for a schedule that does not fit H or the model."""
+        self.drop_in_flight()
+        if (every, fragments, delay) != (self.settings.every, len(self.fragments), self.settings.delay):
+            self._plan(dataclasses.replace(self.settings, every=every, fragments=fragments, delay=delay,
+                                           fragment_groups=None))
+        self.progress.every = every
+        self._cycle = _Cycle()
 
     @property
     def every(self):
@@ -443,8 +489,7 @@ class LocalStepsSync:
         step made no update (its times decide nothing: no rank takes a decision from them)."""
         self.due = False
         if self.streaming:
-            self._streaming_boundary()
-            return None
+            return self._streaming_boundary(skipped)
         p = self.progress
         started = self.clock()
         compute_s = (started - self._period_start) / max(1, p.local_steps)
@@ -465,11 +510,14 @@ class LocalStepsSync:
     def capture(self):
         self.anchor = {n: p.detach().clone() for n, p in self.named}
 
-    def restart(self, every):
+    def restart(self, every, schedule=None):
         """A new phase of local steps from the parameters as they are (the same on every rank):
         H = ``every``, the rule's history and the outer optimizers' state cleared (they belong to
-        a past phase), an exchange in flight forgotten."""
+        a past phase), an exchange in flight forgotten; ``schedule``: the adjuster's (F, delay)
+        for it (:meth:`replan`), None: as it is."""
         self.drop_in_flight()
+        if schedule is not None:
+            self.replan(every, *schedule)
         self.capture()
         self.progress.every, self.progress.local_steps = every, 0
         self.due, self._launch_due = False, None
@@ -520,6 +568,8 @@ class LocalStepsSync:
         pseudo-gradient that is not finite on some rank is refused on every rank
         (:meth:`_refused`)."""
         steps, self.progress.local_steps = self.progress.local_steps, 0
+        mix = self.settings.mix if mix is None else mix
+        mix = 0.0 if mix == "progress" else mix   # (nothing was trained since the launch)
         deltas = self.deltas()
         if self.paced:
             deltas = self._weighted(deltas, steps)
@@ -528,7 +578,7 @@ class LocalStepsSync:
         except NonFiniteGradientError as e:
             self._refused(str(e))
         else:
-            self._outer_apply(avgs, mix=self.settings.mix if mix is None else mix)
+            self._outer_apply(avgs, mix=mix)
             self._period_start = self.clock()
 
     def _weighted(self, deltas, steps):
@@ -616,6 +666,8 @@ class LocalStepsSync:
         self.in_sync = False
         if self.pending is not None:
             self.pending.left -= 1
+            if self.pending.arrived is None:
+                self.pending.arrived = self._arrived(self.pending)
         slot = p.every // len(self.fragments)
         if p.local_steps % slot == 0:
             self._launch_due = p.local_steps // slot
@@ -624,9 +676,12 @@ class LocalStepsSync:
             if skipped:
                 self._boundary(skipped=True)
 
-    def _streaming_boundary(self):
+    def _streaming_boundary(self, skipped=False):
         """After the step's update: apply the exchange whose delay ran out, then launch the
-        fragment due (with no delay, wait for it and apply it at once)."""
+        fragment due (with no delay, wait for it and apply it at once). Fragment 0's launch ends
+        a cycle of H steps: with the adjuster's schedules it is measured (:meth:`_measure_cycle`,
+        returned; else None)."""
+        started = self.clock()
         if self.pending is not None and self.pending.left <= 0:
             flight, self.pending = self.pending, None
             self._land(flight)
@@ -637,30 +692,85 @@ class LocalStepsSync:
                 self._land(flight)
             else:
                 self.pending = flight
+        self._cycle.blocked += self.clock() - started
+        if index == 0 and self.schedules_chosen and self.gather is not None:
+            return self._measure_cycle(skipped)
+        return None
 
     def _launch(self, fragment, delay=None):
+        delay = self.settings.delay if delay is None else delay
         deltas = [(self.anchor[name] - p.detach()).contiguous() for name, p in fragment.named]
-        return InFlight(fragment, fragment.exchange.launch(deltas), self.settings.delay if delay is None else delay)
+        # mix "progress": the parameters at the launch, to take the progress since from them
+        kept = [p.detach().clone() for _, p in fragment.named] if self.settings.mix == "progress" and delay else None
+        return InFlight(fragment, fragment.exchange.launch(deltas), delay, kept=kept, launched=self.clock())
+
+    def _arrived(self, flight):
+        """When ``flight``'s collectives completed: the exchange's own time where it tells
+        (``arrived``: the collective thread's clock, the production one), else this step's
+        ``clock()``; None while they run (an exchange that cannot tell: at its landing)."""
+        arrived = getattr(flight.fragment.exchange, "arrived", None)
+        if arrived is None:
+            return None
+        at = arrived(flight.handle)
+        return at if isinstance(at, float) or at is None else self.clock()
 
     def _land(self, flight, mix=None):
         """Wait for ``flight`` and apply it: ``global = outer(anchor, mean)``, ``params = mix *
-        params + (1 - mix) * global``, ``anchor = global``, for its fragment only. A refused one
-        sends that fragment back to its anchor on every rank (:meth:`_refused`); returns False
-        then. Another failure of its collectives propagates (their names end in ``.f<index>``)."""
+        params + (1 - mix) * global`` (mix "progress": ``global + params - params at the
+        launch``), ``anchor = global``, for its fragment only. A refused one sends that fragment
+        back to its anchor on every rank (:meth:`_refused`); returns False then. Another failure
+        of its collectives propagates (their names end in ``.f<index>``)."""
         fragment = flight.fragment
+        if flight.arrived is None:
+            flight.arrived = self._arrived(flight)
         try:
             avgs = fragment.exchange.wait(flight.handle)
         except NonFiniteGradientError as e:
             self._refused(str(e), fragment)
             return False
-        self._outer_apply(avgs, fragment=fragment, mix=self.settings.mix if mix is None else mix)
+        finally:
+            self._cycle.landed += 1
+            self._cycle.wire += (flight.arrived or self.clock()) - flight.launched
+        mix = self.settings.mix if mix is None else mix
+        progress = None
+        if mix == "progress":
+            mix = 0.0
+            if flight.kept is not None:
+                progress = [p.detach() - k for (_, p), k in zip(fragment.named, flight.kept)]
+        self._outer_apply(avgs, progress, fragment=fragment, mix=mix)
         return True
+
+    def _measure_cycle(self, skipped):
+        """The cycle of H steps that fragment 0's launch just ended, for the mode rule (the
+        adjuster's schedules only): the seconds per step (the cycle's, less what its launches
+        and landings blocked, over H), the seconds they blocked (with the last gather's), and
+        the wire time of the exchanges that landed in it (launch to arrival, the arrival polled
+        once per step), gathered from every rank and combined as :meth:`_choose_every` does.
+        A cycle not timed from its start on some rank (the first of a phase, or after a load),
+        whose last step some rank skipped, or in which nothing landed decides nothing. Returns
+        (compute_s, exchange_s, wire_s), or None."""
+        cycle, self._cycle = self._cycle, _Cycle()
+        t0 = self.clock()
+        start = self._period_start if self._period_start is not None else t0
+        compute_s = max(0.0, t0 - start - cycle.blocked) / max(1, self.progress.every)
+        timed = self._timed and not skipped and cycle.landed > 0
+        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (cycle.blocked + self._gather_s)),
+                              round(1e6 * cycle.wire), self.cluster_id, int(timed)]], dtype=torch.int64)
+        rows = self.gather(mine)
+        self._gather_s = self.clock() - t0
+        self.measured = None
+        if bool((rows[:, 4] == 1).all()):
+            self.measured = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
+                                          for r in rows.tolist()])
+        self._period_start, self._timed = self.clock(), True
+        return self.measured
 
     def _sync_streaming(self):
         """sync_clusters with fragments: the exchange in flight applied, then every fragment
         exchanged (launched together, applied in order) and taken whole (no mix), so every rank
         holds the anchor. The schedule goes on from where it is."""
         self._launch_due = None
+        self._cycle, self._period_start = _Cycle(), None   # (the cycle is not measured: a sync is no schedule)
         if not self.anchor or self.in_sync:
             return
         error = None
@@ -771,6 +881,8 @@ class LocalStepsSync:
               "anchor": {n: t.clone() for n, t in self.anchor.items()}}
         if self.paced:
             sd["period_s"] = self.period_s
+        if self.settings.delay:
+            sd["delay"] = self.settings.delay
         if len(self.fragments) == 1:   # (the layout of the release before fragments)
             sd["outer"] = self.fragments[0].outer.state_dict()
             return sd

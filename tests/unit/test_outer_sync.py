@@ -433,7 +433,8 @@ def _streaming_reference(every, fragments, delay, mix, steps, outer_update):
     """LocalSteps(every, fragments, delay, mix) written out: at the end of step t fragment f
     = (t % H) / (H/F) is launched where t % (H/F) == 0 (its mean pseudo-gradient taken now) and
     lands ``delay`` steps later: global = outer_update(f, anchor_f, mean, state_f), params_f =
-    mix * params_f + (1 - mix) * global, anchor_f = global."""
+    mix * params_f + (1 - mix) * global (mix "progress": global + params_f - params_f at the
+    launch), anchor_f = global."""
     models = [_model(), _model()]
     inners = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -441,12 +442,15 @@ def _streaming_reference(every, fragments, delay, mix, steps, outer_update):
     anchor = [p.detach().clone() for p in params[0]]
     states, slot, flight = [{} for _ in groups], every // fragments, None
 
-    def land(f, mean):
+    def land(f, mean, kept):
         new = outer_update([anchor[i] for i in groups[f]], mean, states[f])
         with torch.no_grad():
             for i, g in zip(groups[f], new):
                 for c in (0, 1):
-                    params[c][i].copy_(mix * params[c][i] + (1 - mix) * g)
+                    if mix == "progress":
+                        params[c][i].copy_(g + (params[c][i] - kept[c][i]))
+                    else:
+                        params[c][i].copy_(mix * params[c][i] + (1 - mix) * g)
                 anchor[i] = g
     for s in range(steps):
         for c in (0, 1):
@@ -457,10 +461,11 @@ def _streaming_reference(every, fragments, delay, mix, steps, outer_update):
         if (s + 1) % slot == 0:
             f = ((s + 1) % every) // slot
             mean = [(anchor[i] - params[0][i].detach() + anchor[i] - params[1][i].detach()) / 2 for i in groups[f]]
+            kept = [{i: params[c][i].detach().clone() for i in groups[f]} for c in (0, 1)]
             if delay == 0:
-                land(f, mean)
+                land(f, mean, kept)
             else:
-                flight = (s + delay, f, mean)
+                flight = (s + delay, f, mean, kept)
     return [[p.detach() for p in ps] for ps in params], anchor
 
 
@@ -475,7 +480,8 @@ def _nesterov(anchor, mean, state, lr=0.7, mu=0.9):
     return [a - lr * (g + mu * mi) for a, g, mi in zip(anchor, mean, m)]
 
 
-@pytest.mark.parametrize("mix,outer,delay", [(0.0, "average", 1), (0.5, "nesterov", 1), (0.5, "average", 0)])
+@pytest.mark.parametrize("mix,outer,delay", [(0.0, "average", 1), (0.5, "nesterov", 1), (0.5, "average", 0),
+                                             ("progress", "nesterov", 1), ("progress", "average", 0)])
 def test_a_landing_fragment_takes_mix_of_its_own_and_the_outer_step(mix, outer, delay):
     steps = 13
     two = TwoClusters(LocalSteps(every=4, fragments=2, delay=delay, mix=mix, outer=outer))
@@ -607,8 +613,9 @@ def test_a_checkpoint_of_fragments_round_trips_mid_period():
     saved = _state(two)
     sd = saved[0][2]
     assert set(sd) == {"every", "local_steps", "exchanges", "anchor", "outer", "fragments", "fragment_names",
-                       "fragment_exchanges"}
-    assert (sd["fragments"], sd["fragment_names"], sd["fragment_exchanges"], sd["local_steps"]) == (2, CUTS[2], [1, 1], 1)
+                       "fragment_exchanges", "delay"}
+    assert (sd["fragments"], sd["fragment_names"], sd["fragment_exchanges"], sd["local_steps"], sd["delay"]) == (
+        2, CUTS[2], [1, 1], 1, 1)
     assert [len(o["state"]) for o in sd["outer"]] == [1, 3]
     two.train(7, start=5)
     again = TwoClusters(settings)
@@ -821,3 +828,69 @@ def test_pace_is_checked():
         LocalSteps(every=4, pace="time", fragments=2)
     with pytest.raises(ValueError, match="overlap=True"):
         LocalSteps(every=4, pace="time", overlap=True)
+
+
+# ---------------- the adjuster's schedules (optim/tuning.py's ModeSwitch replans between phases)
+
+def _restart_both(two, every, schedule):
+    for s in two.syncs:
+        s.restart(every, schedule)
+
+
+def test_a_new_phase_runs_the_schedule_it_is_given_and_back():
+    """restart(H, (F, delay)) between phases: the fragments of the balanced cut with new outer
+    optimizers, their offsets counted from the phase's start, each landing a delay after its
+    launch; back to (1, 0), the whole model's blocking exchange."""
+    two = TwoClusters(LocalSteps(every=4, outer="nesterov", mix="progress"))
+    two.train(4)   # one exchange at step 3: every rank holds the anchor
+    assert torch.equal(_flat(two.models[0]), _flat(two.models[1]))
+    before = two.syncs[0].outers[0]
+    _restart_both(two, 8, (2, 1))
+    sync = two.syncs[0]
+    assert sync.schedule == (2, 1) and sync.every == 8 and sync.streaming
+    assert [f.names for f in sync.fragments] == CUTS[2] and before not in sync.outers
+    assert all(torch.equal(sync.anchor[n], p) for n, p in two.models[0].named_parameters())
+    two.events = [[], []]
+    two.train(8, start=4)
+    assert two.events[0] == [(7, "launch", 1), (8, "land", 1), (11, "launch", 0)]
+    assert two.events[0] == two.events[1]
+    # the fragment that landed: its anchor moved by the mean of both clusters' deltas
+    assert not torch.equal(sync.anchor["2.weight"], sync.fragments[1].named[1][1].detach())
+    _restart_both(two, 4, (1, 0))   # (the flight of fragment 0 dropped: a phase starts from the parameters)
+    assert sync.schedule == (1, 0) and not sync.streaming and len(sync.outers) == 1
+    assert two.events[0][-1] == (11, "drop", 0)
+    with pytest.raises(ValueError, match=r"every=6, fragments=4\): the offset schedule"):
+        sync.replan(6, 4, 0)
+    with pytest.raises(ValueError, match=r"delay must be an int in \[0, every/fragments\)"):
+        sync.replan(8, 4, 2)
+
+
+def test_a_cycle_of_the_adjusters_schedule_is_measured_once_per_h_steps(monkeypatch):
+    """With schedules chosen, fragment 0's launch ends a cycle of H steps and returns what the
+    mode rule needs: seconds per step, seconds blocked, wire seconds of what landed (gathered
+    from every rank: here each cluster's own row). The first cycle of a phase is not timed from
+    its start: it decides nothing."""
+    two = TwoClusters(LocalSteps(every=4, fragments=2, delay=1, mix="progress"))
+    measured = [[], []]
+    ticks = [0.0, 0.0]
+    for c, sync in enumerate(two.syncs):
+        sync.schedules_chosen = True
+        sync.gather = lambda row: row
+
+        def clock(c=c):   # 1 ms a call, each cluster its own
+            ticks[c] += 0.001
+            return ticks[c]
+        sync.clock = clock
+        after = sync.after_step
+
+        def record(after=after, c=c):
+            out = after()
+            measured[c].append((two.step[c], out))
+            return out
+        sync.after_step = record
+    two.train(12)
+    for c in (0, 1):
+        decided = [(step, out) for step, out in measured[c] if out is not None]
+        assert [step for step, _ in decided] == [7, 11], measured[c]
+        for _, (compute, blocked, wire) in decided:
+            assert compute > 0 and blocked > 0 and wire > 0
