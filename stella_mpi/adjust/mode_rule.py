@@ -92,10 +92,54 @@ def local_step_time(est):
     return est.compute_s + max(est.fixed_s - est.cpu_s, 0.0)
 
 
-def local_backlog_shape(every, nclusters):
+def local_backlog_shape(every, nclusters, delay=0):
     """The share of progress local steps hold back, in the sparse backlog's unit: the other
-    clusters' share ``1 - 1/C``, for ``(H - 1) / 2`` steps on average."""
-    return (1.0 - 1.0 / nclusters) * math.sqrt(max(every - 1, 0) / 2.0)
+    clusters' share ``1 - 1/C``, for ``(H - 1) / 2`` steps on average, and ``delay`` steps more
+    when an exchange lands that many steps after its launch."""
+    return (1.0 - 1.0 / nclusters) * math.sqrt(max(every - 1, 0) / 2.0 + delay)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a phase of local steps exchanges: the model in ``fragments`` parts exchanged in turn
+    (Streaming DiLoCo), each in flight for ``delay`` inner steps (0: blocking). (1, 0) is the
+    whole-model blocking exchange."""
+    fragments: int = 1
+    delay: int = 0
+
+    @property
+    def hide(self):
+        """Inner steps per period that the wire runs beside."""
+        return self.fragments * self.delay
+
+    def describe(self):
+        if self.delay == 0 and self.fragments == 1:
+            return ""
+        return ", %s%s" % ("%d fragments, " % self.fragments if self.fragments > 1 else "",
+                           "delay %d" % self.delay)
+
+
+BLOCKING = Schedule()
+
+
+def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, every, schedule):
+    """Seconds a period of H = ``every`` steps blocks on its exchanges under ``schedule``: the
+    encoding and decoding (``cpu_s``, the whole model's, whichever the cut) and what the wire
+    (``wire_s``, the whole model's, plus ``latency_s`` for each further fragment) does not hide
+    behind the ``fragments * delay`` inner steps it runs beside."""
+    wire = wire_s + (schedule.fragments - 1) * latency_s
+    if schedule.delay == 0:
+        return cpu_s + wire
+    return cpu_s + max(0.0, wire - schedule.hide * step_s)
+
+
+def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s):
+    """The delay the adjuster gives F = ``fragments`` at H = ``every``: the fewest inner steps
+    that hide one fragment's wire (at least 1), at most ``max_delay`` and below H/F (a fragment
+    lands before the next one is launched)."""
+    per_fragment = (wire_s + (fragments - 1) * latency_s) / fragments
+    need = max(1, int(math.ceil(per_fragment / max(step_s, 1e-9) - 1e-9)))
+    return min(need, int(max_delay), every // fragments - 1)
 
 
 @dataclass(frozen=True)
@@ -112,12 +156,13 @@ class PseudoRung:
 
 @dataclass(frozen=True)
 class LocalOption:
-    """Local steps with pseudo rung ``rung`` at H = ``every``: the predicted seconds the exchange
-    blocks, and the score."""
+    """Local steps with pseudo rung ``rung`` at H = ``every`` under ``schedule``: the predicted
+    seconds the exchange blocks per period, and the score."""
     rung: int
     every: int
     exchange_s: float
     score: float
+    schedule: Schedule = BLOCKING
 
 
 @dataclass
@@ -139,6 +184,11 @@ class ModeRule:
     predicted_every: Optional[int] = None      # the H local steps would start from (after_sync, a rung change)
     pseudo_index: int = 0
     link_bps: Optional[float] = None
+    schedules: bool = False                    # whether F and the delay are chosen (optim/tuning.py)
+    predicted_schedule: Schedule = BLOCKING    # the one local steps would start with
+    # per schedule kind (F, delayed), the seconds per landing its last phase blocked beyond the
+    # model's prediction (after_local): charged to that kind's predictions from then on
+    overheads: dict = dataclasses.field(default_factory=dict)
     _votes: int = 0       # decisions running that favoured the same other choice
     _held: int = 0        # decisions taken in the current mode (and rung)
     _candidate: object = None   # that choice: "sync", or ("local", rung)
@@ -152,9 +202,9 @@ class ModeRule:
     def rung(self):
         return self.pseudo[self.pseudo_index]
 
-    def local_score(self, est, step_s, exchange_s, every, rung=None):
+    def local_score(self, est, step_s, exchange_s, every, rung=None, delay=0):
         r = self.rung if rung is None else self.pseudo[rung]
-        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters) + r.backlog(est, every)
+        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay) + r.backlog(est, every)
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
 
     def sync_score(self, est):
@@ -188,6 +238,40 @@ class ModeRule:
         blocked = exchange_s + (max(0.0, wire_s - every * step_s) if wire_s is not None else 0.0)
         return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
 
+    def _scheduled(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None):
+        """The best option of rung ``rung`` over the schedules (``blocking``: the whole-model
+        blocking one's; the fragments on ``Adjuster.fragments`` with their delays up to
+        ``Adjuster.max_delay``): per F, the smallest H on the ladder, a multiple of F with room for a
+        delay, whose blocked time fits the budget (the largest such H when none does), at the
+        delay that hides one fragment's wire (:func:`delay_for`). The blocked time holds, for each
+        of the period's F landings, what a landing of that kind of schedule blocked beyond the
+        model when it last ran (``overheads``), else ``overhead`` (the current schedule's, in
+        local steps), else nothing."""
+        s = self.settings
+        best = blocking
+        if not self.schedules or int(s.max_delay) < 1:
+            return best
+        latency = est.messages * est.latency_s
+        allowed = max((s.target - 1.0) * step_s, 1e-9)
+        for f in s.fragments:
+            ladder = [h for h in s.local_steps if h % f == 0 and h // f >= 2]
+            extra = f * self.overheads.get((f, True), overhead or 0.0)
+            chosen = None
+            for h in ladder:
+                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step_s))
+                blocked = scheduled_exchange(cpu_s, wire_s, latency, step_s, h, sched) + extra
+                chosen = (h, sched, blocked)
+                if blocked / h <= allowed:
+                    break
+            if chosen is None:
+                continue
+            h, sched, blocked = chosen
+            option = LocalOption(rung, h, blocked, self.local_score(est, step_s, blocked, h, rung, sched.delay),
+                                 sched)
+            if option.score < best.score:
+                best = option
+        return best
+
     def _best(self, options):
         """The best option, the current rung's on a tie (then the smaller payload)."""
         return min(options, key=lambda o: (o.score, o.rung != self.pseudo_index,
@@ -198,68 +282,100 @@ class ModeRule:
         ``predicted_every`` through rung ``pseudo_index``)."""
         self.sync_estimate = est
         step_local = local_step_time(est)
+        # local steps start with the whole model's blocking exchange: a schedule of fragments or a
+        # delay is tried from a local phase's measured exchange (after_local), and kept if it wins
         options = [self._option(est, i, step_local, self._predicted_exchange(est, i)) for i in range(len(self.pseudo))]
         best = self._best(options)
         here = self.sync_score(est)
         link = self.link_bps or est.bandwidth_bps
-        why = "local steps H=%d, pseudo-gradient %s: predicted %.1f ms per step, exchange %.1f ms (%.0f entries " \
+        why = "local steps H=%d%s, pseudo-gradient %s: predicted %.1f ms per step, exchange %.1f ms (%.0f entries " \
               "at %.0f Mbit/s); sync %.3f, local %.3f%s" % (
-                  best.every, self.pseudo[best.rung].name, 1e3 * step_local, 1e3 * best.exchange_s, est.elements,
-                  link / 1e6, here, best.score, "".join(", %s H=%d %.3f" % (self.pseudo[o.rung].name, o.every, o.score)
-                                                       for o in options if o is not best))
-        mode, reason, taken = self._vote(here, best.score, ("local", best.rung), why)
+                  best.every, best.schedule.describe(), self.pseudo[best.rung].name, 1e3 * step_local,
+                  1e3 * best.exchange_s, est.elements, link / 1e6, here, best.score,
+                  "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every, o.schedule.describe(), o.score)
+                          for o in options if o is not best))
+        mode, reason, taken = self._vote(here, best.score, _key(best), why)
         if taken:
             self.pseudo_index = best.rung
-        self.predicted_every = best.every
+        self.predicted_every, self.predicted_schedule = best.every, best.schedule
         return mode, reason
 
-    def after_local(self, step_s, exchange_s, every, wire_s=None):
+    def after_local(self, step_s, exchange_s, every, wire_s=None, schedule=BLOCKING):
         """A local-steps decision's measured times (seconds per local step, seconds the exchange
-        blocked; with overlap, its wire time from launch to arrival) at H = ``every`` through the
-        current rung; returns (mode, reason): "sync" to switch. When another pseudo rung is
-        predicted to reach the loss sooner (twice running, past the dead band), the rule takes it:
-        ``pseudo_index`` and ``predicted_every`` change, the mode stays "local".
+        blocked; with overlap, its wire time from launch to arrival; under a schedule of
+        fragments or a delay, the seconds its launches and landings blocked per period and the
+        wire time of its exchanges, summed) at H = ``every`` through the current rung; returns
+        (mode, reason): "sync" to switch. When another pseudo rung, or with ``schedules``
+        another schedule, is predicted to reach the loss sooner (twice running, past the dead
+        band), the rule takes it: ``pseudo_index``, ``predicted_every`` and
+        ``predicted_schedule`` change, the mode stays "local".
 
         The other rungs' exchange is this one's with the transfer scaled by their payloads' ratio:
         ``latency + cpu + transfer * payload_j / payload_now``, where the transfer is what the
-        measured exchange (with overlap, the wire) spent beyond the latency and ``cpu_s``."""
+        measured exchange (with overlap or a schedule, the wire) spent beyond the latency (one
+        per fragment) and ``cpu_s``."""
         est = self.sync_estimate
         if est is None:   # a checkpoint without one: go back to measure the synchronous route
             return self._vote(1.0, 0.0, "sync", "no estimate of the synchronous route (a checkpoint without one): it "
                                                 "is measured again")[:2]
+        streaming = schedule != BLOCKING
         latency = est.messages * est.latency_s
         measured = wire_s if wire_s is not None else exchange_s
-        transfer = max(measured - latency, 1e-6)
+        transfer = max(measured - schedule.fragments * latency, 1e-6)
         bandwidth = 8.0 * est.elements * self.rung.payload_per_entry / transfer
         predicted = dataclasses.replace(est, bandwidth_bps=bandwidth)
-        now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
-        moved = max(measured - latency - est.cpu_s, 1e-6)   # the part that grows with the payload
+        if streaming:   # what the schedule blocked, as measured
+            now = LocalOption(self.pseudo_index, every, exchange_s,
+                              self.local_score(est, step_s, exchange_s, every, None, schedule.delay), schedule)
+        else:
+            now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
+        overlap = wire_s is not None and not streaming
+        moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
+        # what the schedule blocked beyond the model's prediction for it (the outer step, the
+        # launch's copies, the gather): charged to every scheduled option alike, so they are
+        # compared with the current one on the same terms
+        overhead = None   # seconds per landing
+        if streaming:
+            overhead = max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, step_s, every,
+                                                                schedule)) / schedule.fragments
+            self.overheads[(schedule.fragments, schedule.delay > 0)] = overhead
         others = []
         for j, r in enumerate(self.pseudo):
-            if j == self.pseudo_index:
+            wire_j = latency + moved * r.payload_per_entry / max(self.rung.payload_per_entry, 1e-12)
+            if overlap:
+                if j != self.pseudo_index:
+                    others.append(self._option(est, j, step_s, exchange_s, wire_j + est.cpu_s))
                 continue
-            scaled = latency + est.cpu_s + moved * r.payload_per_entry / max(self.rung.payload_per_entry, 1e-12)
-            others.append(self._option(est, j, step_s, exchange_s if wire_s is not None else scaled,
-                                       scaled if wire_s is not None else None))
+            blocking = self._option(est, j, step_s, wire_j + est.cpu_s)
+            best_j = self._scheduled(est, j, step_s, est.cpu_s, wire_j, blocking, overhead)
+            if j != self.pseudo_index:
+                others.append(best_j)
+            elif best_j.schedule != schedule and (best_j.schedule.fragments, best_j.schedule.delay > 0) != (
+                    schedule.fragments, schedule.delay > 0):
+                others.append(best_j)   # this rung under another schedule
         sync = self.sync_score(predicted)
-        there, target = sync, "sync"
+        there, target, best = sync, "sync", None
         if others:
             best = self._best(others)
             if best.score < sync:
-                there, target = best.score, ("local", best.rung)
-        why = "link %.0f Mbit/s measured by the exchange of local steps (H=%d, %s, %.1f ms per step, exchange " \
+                there, target = best.score, _key(best)
+        why = "link %.0f Mbit/s measured by the exchange of local steps (H=%d%s, %s, %.1f ms per step, exchange " \
               "%.1f ms); local %.3f, sync %.3f%s" % (
-                  bandwidth / 1e6, every, self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s, now.score, sync,
-                  "".join(", %s H=%d %.3f" % (self.pseudo[o.rung].name, o.every, o.score) for o in others))
+                  bandwidth / 1e6, every, schedule.describe(), self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s,
+                  now.score, sync, "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every,
+                                                                  o.schedule.describe(), o.score) for o in others))
         mode, reason, taken = self._vote(now.score, there, target, why)
         if taken and target != "sync":
-            self.pseudo_index, self.predicted_every = best.rung, best.every
+            self.pseudo_index, self.predicted_every, self.predicted_schedule = best.rung, best.every, best.schedule
         return mode, reason
 
-    def take(self, mode, estimate=None, pseudo_index=None):
+    def take(self, mode, estimate=None, pseudo_index=None, schedule=None):
         """Take ``mode`` as it is (a checkpoint's, the root's), with the synchronous estimate
-        saved with it (an Estimate, or None) and the pseudo rung; the dead band starts over."""
+        saved with it (an Estimate, or None), the pseudo rung and the schedule; the dead band
+        starts over."""
         self.mode, self._votes, self._held, self._candidate = mode, 0, 0, None
+        if schedule is not None:
+            self.predicted_schedule = schedule
         if estimate is not None:
             self.sync_estimate = estimate
         if pseudo_index is not None:
@@ -289,4 +405,12 @@ class ModeRule:
         if self.mode == "sync":
             self.mode = "local"
             return "local", "local reaches the loss sooner: %s" % why, True
-        return "local", "local steps through %s reach the loss sooner: %s" % (self.pseudo[target[1]].name, why), True
+        return "local", "local steps through %s%s reach the loss sooner: %s" % (
+            self.pseudo[target[1]].name, "" if target[2:] == (1, False) else " (%d fragments%s)" % (
+                target[2], ", delayed" if target[3] else ""), why), True
+
+
+def _key(option):
+    """What a vote for ``option`` is for: its rung and its schedule's kind (F, delayed or not:
+    the delay itself follows the measured times and may move by a step between decisions)."""
+    return ("local", option.rung, option.schedule.fragments, option.schedule.delay > 0)

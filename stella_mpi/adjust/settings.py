@@ -51,6 +51,13 @@ class AdjusterSettings:
         the entries' domain (not ``dct``). Empty (the default): the automatic route's
         (``optim/tuning.py``: THC 4 bits, SparseLoCo 1 % and 3 % at 2 bits), otherwise
         ``LocalSteps(compression=...)`` alone.
+    fragments, max_delay: with ``modes`` (or on the automatic route), the schedules the adjuster
+        chooses between for each phase of local steps, with H and the rung, by the time-to-loss
+        objective (:mod:`.mode_rule`): the model in F fragments (F from ``fragments``) exchanged in
+        turn, each in flight for the fewest inner steps that hide its wire (at most
+        ``max_delay``), its landing keeping the cluster's progress meanwhile (``LocalSteps(mix=
+        "progress")``); or the whole model exchanged blocking. ``max_delay=0``: blocking only.
+        Not with ``LocalSteps(overlap=True)`` or ``pace="time"`` (they are schedules of their own).
     """
     min_density: float = 1e-3
     max_density: float = 1.0
@@ -69,6 +76,8 @@ class AdjusterSettings:
     local_steps: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     modes: Tuple[str, ...] = ()
     pseudo_rungs: Tuple[object, ...] = ()
+    fragments: Tuple[int, ...] = (1, 2, 4)
+    max_delay: int = 4
 
     def __post_init__(self):
         for name in ("min_density", "max_density"):
@@ -113,6 +122,15 @@ class AdjusterSettings:
             raise ValueError("Adjuster: modes=%r compares the modes by the time-to-loss objective; "
                              "pass objective='time_to_loss'" % (MODES,))
         object.__setattr__(self, "pseudo_rungs", _checked_pseudo_rungs(self.pseudo_rungs))
+        fs = self.fragments
+        if not isinstance(fs, (tuple, list)) or not fs or any(isinstance(f, bool) or not isinstance(f, int) or f < 1
+                                                             for f in fs) or len(set(fs)) != len(fs):
+            raise ValueError("Adjuster: fragments must be distinct integers >= 1 (the ladder of F, the parts of the "
+                             "model exchanged in turn), got %r" % (fs,))
+        object.__setattr__(self, "fragments", tuple(sorted(fs)))
+        if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:
+            raise ValueError("Adjuster: max_delay must be an int >= 0 (inner steps an exchange may stay in flight; 0: "
+                             "blocking exchanges only), got %r" % (self.max_delay,))
         if self.batch_split and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ValueError("Adjuster: batch_split needs global_batch, the samples per pass over all ranks")
 

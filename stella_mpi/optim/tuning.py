@@ -36,14 +36,14 @@ import torch
 from ..adjust.controller import Estimate, backlog_shape
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
-from ..adjust.mode_rule import ModeRule, PseudoRung
+from ..adjust.mode_rule import BLOCKING, ModeRule, PseudoRung, Schedule
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
 from ..api.allreduce import (allreduce_async, allreduce_tensors_async, compressed_allreduce_async,
                              grouped_allreduce_async, new_outputs)
 from ..api.functions import broadcast_object
-from ..api.handles import synchronize
+from ..api.handles import finished_at, synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average, Max
 from ..base import timeline
@@ -170,7 +170,15 @@ class PseudoGradientExchange:
         self.name = name
 
     def fragment(self, index):
-        return PseudoGradientExchange(self.comp, "%s.f%d" % (self.name, index))
+        return _FragmentExchange(self, "%s.f%d" % (self.name, index))
+
+    def arrived(self, pending):
+        """The time.perf_counter() at which the last collective of the exchange ``pending``
+        ended, or None while one runs (or cannot tell)."""
+        if any(callable(h) for h in pending[0]):
+            return None
+        times = [finished_at(h) for h in pending[0]]
+        return None if any(t is None for t in times) else max(times, default=None)
 
     def __call__(self, deltas):
         return self.wait(self.launch(deltas))
@@ -214,6 +222,19 @@ class PseudoGradientExchange:
                 synchronize(h)
             except NonFiniteGradientError:
                 pass
+
+
+class _FragmentExchange(PseudoGradientExchange):
+    """A fragment's exchange: the whole exchange's compressor (a rung taken applies to every
+    fragment), collectives of its own name."""
+
+    def __init__(self, whole, name):
+        self.whole = whole
+        self.name = name
+
+    @property
+    def comp(self):
+        return self.whole.comp
 
 
 def pseudo_gradient_exchange(comp, name):
@@ -433,7 +454,9 @@ class ModeSwitch:
             self.rule = ModeRule(adjuster, ctrl, nclusters, [PseudoRung(n, payload_per_entry(c, nclusters),
                                                                         _backlog_of(ctrl, c))
                                                              for n, c in zip(self.rung_names, self.rungs)],
-                                 link_bps=probe.pair_bps if probe is not None else None)
+                                 link_bps=probe.pair_bps if probe is not None else None,
+                                 schedules=schedules_fit(local.settings))
+            local.schedules_chosen = self.rule.schedules
 
     @property
     def pseudo(self):
@@ -459,6 +482,8 @@ class ModeSwitch:
             value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
             base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
         ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER)
+        if schedules_fit(ls) and ls.mix == 0:   # the adjuster's delays keep the cluster's progress
+            ls = dataclasses.replace(ls, mix="progress")
         # the pseudo-gradient's rungs: the user's (the adjuster's, or LocalSteps' one); the
         # automatic route's; THC 4 bits
         rungs = adjuster.pseudo_rungs or ((ls.compression,) if ls.compression is not None else
@@ -526,12 +551,12 @@ class ModeSwitch:
         if opt._outer.kind == "local":
             if self.rule is not None and measured is not None:
                 compute, exchange, wire = measured
-                rung = self.rule.pseudo_index
-                _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire)
+                rung, now = self.rule.pseudo_index, self.schedule
+                _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire, now)
                 self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
-                elif self.rule.pseudo_index != rung:
+                elif self.rule.pseudo_index != rung or _kind(self.rule.predicted_schedule) != _kind(now):
                     self._take_rung(self.rule.predicted_every)
             return
         session = self.session
@@ -577,10 +602,25 @@ class ModeSwitch:
             self.session.resume()
             opt._install(self.sync_route, NoOuterSync())
 
+    @property
+    def schedule(self):
+        """The schedule local steps run (or would run) now."""
+        return Schedule(*self.local.schedule)
+
     def _take_rung(self, every):
         """Local steps go on through the rule's pseudo rung from the next period, at H = ``every``
         (the rung's predicted H; the local-steps rule starts over from it). The exchange keeps its
-        collectives' names, so the residual carries over."""
+        collectives' names, so the residual carries over. Where the schedule is not the
+        whole-model blocking one before or after, the clusters are synchronized first
+        (``sync_clusters``: the exchange in flight applied, every fragment exchanged) and a new
+        phase starts under the rule's schedule (fresh anchors and outer states)."""
+        sched = self.rule.predicted_schedule
+        if self.rule.schedules and (self.local.streaming or sched != BLOCKING):
+            self.local.sync_clusters()
+            self.local.restart(every, (sched.fragments, sched.delay))
+            self._use_rung()
+            self._record("local")
+            return
         self._use_rung()
         self.local.progress.every = every
         if self.local.rule is not None:
@@ -603,9 +643,9 @@ class ModeSwitch:
                 outer.state.clear()
 
     def _enter_local(self):
-        every = self.rule.predicted_every
+        every, sched = self.rule.predicted_every, self.rule.predicted_schedule
+        self.local.restart(every, (sched.fragments, sched.delay) if self.rule.schedules else None)
         self._use_rung()
-        self.local.restart(every)
         self._velocity_to_buffers()
         self._set_mode("local")
         self._record("local")
@@ -668,6 +708,24 @@ class ModeSwitch:
                 "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None,
                 "pseudo": _comp_name(self.pseudo)}
 
+    def _replan_to(self, saved):
+        """The adjuster's schedule of a local-steps state ``saved`` (a checkpoint's, the root's)
+        taken before it is checked and loaded: its F and delay at its H. Without schedules the
+        state is checked against the optimizer's own."""
+        if not self.local.schedules_chosen or not isinstance(saved, dict):
+            return
+        outer = saved.get("outer")
+        fragments = saved.get("fragments", len(outer) if isinstance(outer, list) else 1)
+        delay, every = saved.get("delay", 0), saved.get("every", self.local.every)
+        if (fragments, delay) == self.local.schedule:
+            return
+        try:
+            self.local.replan(every, fragments, delay)
+        except (TypeError, ValueError) as e:
+            raise ValueError("DistributedOptimizer checkpoint: stella_local_steps holds the schedule every=%r, "
+                             "fragments=%r, delay=%r, which does not fit this optimizer: %s"
+                             % (every, fragments, delay, e)) from None
+
     def save(self, out):
         out["stella_local_steps"] = self.local.state_dict()
         out["stella_mode"] = self._saved_mode()
@@ -679,6 +737,7 @@ class ModeSwitch:
                                               self.rung_names)
         saved = state_dict.pop("stella_local_steps", None)
         if saved is not None:
+            self._replan_to(saved)
             self.local.check(saved)
 
         def take():
@@ -695,7 +754,7 @@ class ModeSwitch:
             if mode == "local" and not self.local.anchor:
                 self.local.capture()
             self._set_mode(mode)
-        self.rule.take(mode, estimate, pseudo)
+        self.rule.take(mode, estimate, pseudo, self.schedule)
         self._use_rung()
 
     def sync_state(self, root_rank):
@@ -703,10 +762,25 @@ class ModeSwitch:
         checkpoint loaded on the root alone may have changed its mode)."""
         self.local.drop_in_flight()
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
-        self.local.load_state_dict(broadcast_object(mine, root_rank, name="local_steps.state"))
+        theirs = broadcast_object(mine, root_rank, name="local_steps.state")
+        self._replan_to(theirs)
+        self.local.load_state_dict(theirs)
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
                                                        root_rank, name="mode_switch.mode"),
                                       self.rung_names))
+
+
+def schedules_fit(ls):
+    """Whether the adjuster may choose the schedule (F, delay) of local steps ``ls`` (the user's
+    LocalSteps under ``modes``, or the automatic route's): not over the user's own fragments,
+    delay, overlap or time pace."""
+    return (ls.fragments == 1 and ls.delay == 0 and not ls.overlap and ls.pace == "steps"
+            and ls.fragment_groups is None)
+
+
+def _kind(schedule):
+    """A schedule as the mode rule votes for it: F, and whether it is delayed."""
+    return schedule.fragments, schedule.delay > 0
 
 
 def _comp_name(comp):

@@ -664,7 +664,9 @@ def test_mode_switch_moves_every_rank_at_the_same_step(overlap, inner):
     back = first + modes[first:].index("sync")
     assert all(size == hvd.size() for _, m, size in log if m == "sync")
     assert all(size == hvd.global_process_set.topology.cluster_size for _, m, size in log if m == "local")
-    assert [m for _, m, _ in opt.mode_switches] == ["local", "sync"], opt.mode_switches
+    # (inside local steps the rule may also take a schedule with a delay: a switch from local to local)
+    kinds = [m for i, (_, m, _) in enumerate(opt.mode_switches) if i == 0 or opt.mode_switches[i - 1][1] != m]
+    assert kinds == ["local", "sync"], opt.mode_switches
     everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])
     assert all(x == everyone[0] for x in everyone), everyone
     assert back > first + 4, log   # at least one exchange (the second period is the first timed one)
@@ -767,6 +769,52 @@ def test_mode_switch_chooses_the_pseudo_rung_on_every_rank():
         adjuster = hvd.Adjuster(modes=("sync", "local") if modes else (), pseudo_rungs=rungs)
         with pytest.raises(ValueError, match=match):
             hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), adjuster=adjuster, **kw)
+
+
+def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
+    """The adjuster's schedule of local steps (Streaming DiLoCo's fragments with a delay): when
+    the mode rule takes one (forced here at step 12: the rule itself is unit-tested), every rank
+    synchronizes the clusters and starts a phase of 2 fragments, each landing 1 step after its
+    launch; its cycles are measured and fed to the rule; a checkpoint carries the schedule into
+    an optimizer that runs the blocking one, and sync_clusters ends both with the same
+    parameters everywhere."""
+    from stella_mpi.adjust.mode_rule import Schedule
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no exchange across clusters, nothing to switch")
+    seen = []
+
+    def watch(step, model, opt):
+        tuner = opt._tuner
+        if step == 2:
+            tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+        if step == 12:
+            assert opt.mode == "local" and tuner.schedule == Schedule(1, 0)
+            tuner.rule.predicted_schedule = Schedule(2, 1)
+            tuner._take_rung(4)
+            _assert_same_everywhere(model)   # (the phase starts from the clusters' agreed parameters)
+        if step > 12:
+            seen.append((tuner.schedule, opt._outer.progress.local_steps, _clusters_apart(model)))
+
+    model, opt = _train_with(lambda m: _switching(m, hvd.Compression.fp16), 30, watch)
+    tuner = opt._tuner
+    assert all(sched == Schedule(2, 1) for sched, _, _ in seen) and any(apart for _, _, apart in seen), seen
+    assert [f.names for f in tuner.local.fragments] and len(tuner.local.fragments) == 2
+    assert tuner.local.settings.mix == "progress"
+    assert any("2 fragments, delay 1" in why for _, _, why in tuner.votes), list(tuner.votes)
+    everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])
+    assert all(x == everyone[0] for x in everyone), everyone
+    saved = opt.state_dict()
+    assert saved["stella_local_steps"]["fragments"] == 2 and saved["stella_local_steps"]["delay"] == 1
+    other_model = _model()
+    other_model.load_state_dict(model.state_dict())
+    other = _switching(other_model, hvd.Compression.fp16)
+    other.load_state_dict(saved)
+    assert other.mode == "local" and other._tuner.schedule == Schedule(2, 1)
+    assert other._tuner.rule.predicted_schedule == Schedule(2, 1)
+    for m, o in ((model, opt), (other_model, other)):
+        _steps(m, o, range(30, 36))
+        o.sync_clusters()
+        _assert_same_everywhere(m)
 
 
 def test_mode_switch_checkpoint_keeps_the_mode_and_refusals():

@@ -8,7 +8,8 @@ import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
 from stella_mpi.adjust.local_steps_rule import smallest_fitting
-from stella_mpi.adjust.mode_rule import ModeRule, PseudoRung, local_backlog_shape, local_step_time
+from stella_mpi.adjust.mode_rule import (BLOCKING, ModeRule, PseudoRung, Schedule, delay_for, local_backlog_shape,
+                                         local_step_time, scheduled_exchange)
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -325,3 +326,96 @@ def test_a_rule_needs_a_pseudo_rung():
     s = Adjuster(modes=("sync", "local"))
     with pytest.raises(ValueError, match="at least one pseudo-gradient rung"):
         ModeRule(s, Controller(s, density=0.01), 2, [])
+
+
+# ---------------- the schedule of local steps: fragments and a delay (Streaming DiLoCo's)
+
+def test_a_schedule_blocks_on_what_its_delay_does_not_hide():
+    # 120 ms of wire, 20 ms of encoding, 1 ms latency, 30 ms steps
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, BLOCKING) == pytest.approx(0.140)
+    # one fragment in flight for 2 steps hides 60 ms of it
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(1, 2)) == pytest.approx(0.080)
+    # 4 fragments of 1 step each hide 4 x 30 ms, and pay the latency 3 more times
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(4, 1)) == pytest.approx(0.023)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(2, 3)) == pytest.approx(0.020)
+    # the delay that hides one fragment's wire, at least 1, below H/F and at most max_delay
+    assert delay_for(16, 1, 8, 0.120, 0.001, 0.030) == 4
+    assert delay_for(16, 4, 8, 0.120, 0.001, 0.030) == 2     # 123 ms / 4 = 31 ms: just over a step
+    assert delay_for(8, 2, 8, 0.120, 0.001, 0.030) == 3     # 61 ms would need 3 steps; 8/2 - 1 = 3
+    assert delay_for(8, 4, 8, 0.120, 0.001, 0.030) == 1     # 8/4 - 1
+    assert delay_for(64, 1, 2, 0.120, 0.001, 0.030) == 2     # max_delay
+    assert delay_for(16, 1, 8, 1e-6, 0.0, 0.030) == 1
+    assert local_backlog_shape(9, 2, delay=0) == pytest.approx(0.5 * 2.0)
+    assert local_backlog_shape(9, 2, delay=5) == pytest.approx(0.5 * 3.0)
+
+
+def scheduled_rule(schedules=True, **kw):
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01, **kw)
+    ctrl = Controller(s, density=0.01)
+    r = ModeRule(s, ctrl, 2, [one_rung(0.5)], link_bps=100 * MBIT, schedules=schedules)
+    r.take("local", dataclasses.replace(estimate(100 * MBIT), cpu_s=0.002))
+    return r, s
+
+
+def test_local_steps_enter_with_the_blocking_exchange_whatever_the_schedules():
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5)], link_bps=2 * MBIT, schedules=True)
+    while r.mode == "sync":
+        r.after_sync(dataclasses.replace(estimate(2 * MBIT), cpu_s=0.002))
+    assert r.predicted_schedule == BLOCKING
+
+
+def test_a_long_blocking_exchange_moves_to_a_delayed_schedule_after_the_dead_band():
+    """0.5 MB at 100 Mbit/s: 40 ms of wire per exchange against 10 ms steps, measured blocking
+    at H=8 (5 ms a step more): the rule predicts the wire hidden behind inner steps and, two
+    votes later, takes a schedule with a delay (mode still local), at an H that is a multiple
+    of its F with room for the delay; without schedules it never does."""
+    r, s = scheduled_rule()
+    blocking = 0.002 + 0.002 + 8 * 0.5e6 / (100 * MBIT)   # latency (2 messages), encoding, the wire
+    outcomes = [r.after_local(0.010, blocking, 8) for _ in range(3)]
+    assert [m for m, _ in outcomes] == ["local"] * 3
+    assert outcomes[1][1].startswith("steady") and "delay" in outcomes[1][1], outcomes[1][1]
+    assert "fragments" in outcomes[2][1] or "delayed" in outcomes[2][1], outcomes[2][1]
+    sched, every = r.predicted_schedule, r.predicted_every
+    assert sched.delay >= 1 and every % sched.fragments == 0 and sched.delay < every // sched.fragments
+    assert sched.delay <= s.max_delay
+    off, _ = scheduled_rule(schedules=False)
+    for _ in range(4):
+        off.after_local(0.010, blocking, 8)
+    assert off.predicted_schedule == BLOCKING
+    nodelay, _ = scheduled_rule(max_delay=0)
+    for _ in range(4):
+        nodelay.after_local(0.010, blocking, 8)
+    assert nodelay.predicted_schedule == BLOCKING
+
+
+def test_a_schedule_that_blocks_beyond_the_model_goes_back_and_is_remembered():
+    """A delayed phase measured blocking 400 ms a period where the model predicts 2 ms (its
+    landings wait for an exchange slower than the steps it ran beside): that excess, per
+    landing, is charged to every delayed schedule, so the blocking exchange wins back; once
+    blocking again, the delayed kind keeps its excess: the rule does not go straight back."""
+    r, s = scheduled_rule()
+    est = r.sync_estimate
+    now = Schedule(2, 3)
+    r.predicted_schedule = now
+    wire = 0.002 + 8 * 0.5e6 / (100 * MBIT)
+    outcomes = [r.after_local(0.010, 0.400, 8, wire_s=2 * wire, schedule=now) for _ in range(3)]
+    assert outcomes[2][1].startswith("local steps through thc 4 bits reach"), outcomes[2][1]
+    assert r.predicted_schedule == BLOCKING
+    assert 0.17 < r.overheads[(2, True)] < 0.2   # (400 ms less the 24 ms the model predicts) per landing
+    blocking = 0.002 + 0.002 + 8 * 0.5e6 / (100 * MBIT)
+    for _ in range(4):
+        mode, why = r.after_local(0.010, blocking, r.predicted_every)
+        assert mode == "local" and r.predicted_schedule in (BLOCKING, Schedule(1, r.predicted_schedule.delay)) \
+            and r.predicted_schedule.fragments != 2, why
+    assert est is r.sync_estimate
+
+
+def test_the_schedule_settings_are_validated():
+    for bad in ((), (0,), (1, 1), (True,), (1.5,), "4"):
+        with pytest.raises(ValueError, match="fragments must be distinct integers >= 1"):
+            Adjuster(fragments=bad)
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="max_delay must be an int >= 0"):
+            Adjuster(max_delay=bad)
+    assert Adjuster(fragments=[4, 1]).fragments == (1, 4)
