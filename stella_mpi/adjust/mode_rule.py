@@ -71,6 +71,22 @@ wins by the dead band twice running is taken at its H. The rungs share the excha
 collectives, so the error-feedback residual (in the entries' domain for THC and SparseLoCo)
 carries over: what one rung did not send, the next sends.
 
+The schedule of local steps (``schedules``: where every cluster has one rank, optim/tuning.py;
+``Adjuster(fragments=..., max_delay=...)``): in local mode each rung is also scored under
+Streaming DiLoCo's schedules, the model in F fragments exchanged in turn, each in flight for a
+delay of inner steps::
+
+    blocked(H, F, delay) = cpu + max(0, wire + (F - 1) * latency - F * delay * step)
+    local_shape(H, delay) = (1 - 1/C) * sqrt((H - 1) / 2 + delay)
+
+with the delay the fewest steps that hide one fragment's wire (:func:`delay_for`), below H/F,
+and H per F the smallest on the ladder that fits the budget. Local steps start with the
+whole-model blocking exchange; a schedule is taken from a measured phase, as a rung is (its
+kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
+scored at the step the blocking schedule last measured, and what the schedule cost beyond the
+model (blocked time, and steps slower than that) is remembered per kind (``overheads``) and
+charged to it from then on, so a schedule that does not pay is left and not retried at once.
+
 Hysteresis, as the controller's: the other mode (or rung) is taken when its score is below
 ``1 - h/2`` times the current one's, in two decisions running for the same choice, and not before
 ``Adjuster.window`` decisions have been taken in the current mode and rung (the estimates then
@@ -189,6 +205,10 @@ class ModeRule:
     # per schedule kind (F, delayed), the seconds per landing its last phase blocked beyond the
     # model's prediction (after_local): charged to that kind's predictions from then on
     overheads: dict = dataclasses.field(default_factory=dict)
+    # (seconds per local step, transfer seconds, payload per entry) last measured under the
+    # blocking schedule: under another schedule every option is predicted from them (its exchange
+    # in flight may slow the steps beside it and its own wire: that is its overhead)
+    base: Optional[tuple] = None
     _votes: int = 0       # decisions running that favoured the same other choice
     _held: int = 0        # decisions taken in the current mode (and rung)
     _candidate: object = None   # that choice: "sync", or ("local", rung)
@@ -244,9 +264,9 @@ class ModeRule:
         ``Adjuster.max_delay``): per F, the smallest H on the ladder, a multiple of F with room for a
         delay, whose blocked time fits the budget (the largest such H when none does), at the
         delay that hides one fragment's wire (:func:`delay_for`). The blocked time holds, for each
-        of the period's F landings, what a landing of that kind of schedule blocked beyond the
-        model when it last ran (``overheads``), else ``overhead`` (the current schedule's, in
-        local steps), else nothing."""
+        of the period's F landings, what a landing of that kind of schedule cost beyond the model
+        when it last ran (``overheads``: blocked, and the steps' slowdown), else ``overhead``
+        (the current schedule's, in local steps), else nothing."""
         s = self.settings
         best = blocking
         if not self.schedules or int(s.max_delay) < 1:
@@ -313,7 +333,11 @@ class ModeRule:
         The other rungs' exchange is this one's with the transfer scaled by their payloads' ratio:
         ``latency + cpu + transfer * payload_j / payload_now``, where the transfer is what the
         measured exchange (with overlap or a schedule, the wire) spent beyond the latency (one
-        per fragment) and ``cpu_s``."""
+        per fragment) and ``cpu_s``. Under a schedule the link and the options are predicted from
+        the step and transfer last measured under the blocking one (``base``), and what the
+        schedule cost beyond the model, in blocked time and in steps slower than that (its
+        exchange in flight shares the collective thread and the cores with the steps beside
+        it), is its kind's overhead."""
         est = self.sync_estimate
         if est is None:   # a checkpoint without one: go back to measure the synchronous route
             return self._vote(1.0, 0.0, "sync", "no estimate of the synchronous route (a checkpoint without one): it "
@@ -322,6 +346,15 @@ class ModeRule:
         latency = est.messages * est.latency_s
         measured = wire_s if wire_s is not None else exchange_s
         transfer = max(measured - schedule.fragments * latency, 1e-6)
+        if not streaming and wire_s is None:   # the blocking schedule: the baseline of the others
+            self.base = (step_s, transfer, self.rung.payload_per_entry)
+        base = step_s
+        if streaming and self.base is not None:
+            # a schedule's wire holds its wait on the collective thread and the cores it shares with
+            # the steps beside it: the link and every option are predicted from the blocking
+            # schedule's last measured exchange (scaled to this rung's payload) and step
+            base, transfer_then, payload_then = self.base
+            transfer = transfer_then * self.rung.payload_per_entry / max(payload_then, 1e-12)
         bandwidth = 8.0 * est.elements * self.rung.payload_per_entry / transfer
         predicted = dataclasses.replace(est, bandwidth_bps=bandwidth)
         if streaming:   # what the schedule blocked, as measured
@@ -331,13 +364,11 @@ class ModeRule:
             now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
         overlap = wire_s is not None and not streaming
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
-        # what the schedule blocked beyond the model's prediction for it (the outer step, the
-        # launch's copies, the gather): charged to every scheduled option alike, so they are
-        # compared with the current one on the same terms
         overhead = None   # seconds per landing
-        if streaming:
-            overhead = max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, step_s, every,
-                                                                schedule)) / schedule.fragments
+        if streaming:   # beyond the model: blocked longer, and the steps slower than the blocking schedule's
+            overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, every,
+                                                                 schedule))
+                        + every * max(0.0, step_s - base)) / schedule.fragments
             self.overheads[(schedule.fragments, schedule.delay > 0)] = overhead
         others = []
         for j, r in enumerate(self.pseudo):
@@ -346,8 +377,8 @@ class ModeRule:
                 if j != self.pseudo_index:
                     others.append(self._option(est, j, step_s, exchange_s, wire_j + est.cpu_s))
                 continue
-            blocking = self._option(est, j, step_s, wire_j + est.cpu_s)
-            best_j = self._scheduled(est, j, step_s, est.cpu_s, wire_j, blocking, overhead)
+            blocking = self._option(est, j, base, wire_j + est.cpu_s)
+            best_j = self._scheduled(est, j, base, est.cpu_s, wire_j, blocking, overhead)
             if j != self.pseudo_index:
                 others.append(best_j)
             elif best_j.schedule != schedule and (best_j.schedule.fragments, best_j.schedule.delay > 0) != (

@@ -87,6 +87,9 @@ With an adjuster H is chosen at each exchange from the period's compute and exch
 gathered from all ranks (adjust/local_steps_rule.py) and applies from the next period, on every
 rank alike. With fragments or a delay it is not: H stays ``every`` (its offsets are fixed), and
 ``hvd.Adjuster(modes=...)`` is refused with them (it starts each phase at an H it predicts).
+Under ``modes`` the adjuster chooses the schedule itself (adjust/mode_rule.py): the mode switch
+calls ``restart(every, (F, delay))`` between phases (:meth:`LocalStepsSync.replan`), and each
+cycle of H steps is then measured for it (:meth:`LocalStepsSync._measure_cycle`).
 
 The strategy itself talks to no other rank: the blocking exchange and the gather of the
 period's times are functions given to it (:func:`pseudo_gradient_exchange` and an all-gather

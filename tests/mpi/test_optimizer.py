@@ -777,7 +777,8 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     synchronizes the clusters and starts a phase of 2 fragments, each landing 1 step after its
     launch; its cycles are measured and fed to the rule; a checkpoint carries the schedule into
     an optimizer that runs the blocking one, and sync_clusters ends both with the same
-    parameters everywhere."""
+    parameters everywhere. (Schedules are offered where every cluster has one rank; here they
+    are offered in every layout, so clusters of several ranks run the fragments too.)"""
     from stella_mpi.adjust.mode_rule import Schedule
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no exchange across clusters, nothing to switch")
@@ -795,7 +796,12 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
         if step > 12:
             seen.append((tuner.schedule, opt._outer.progress.local_steps, _clusters_apart(model)))
 
-    model, opt = _train_with(lambda m: _switching(m, hvd.Compression.fp16), 30, watch)
+    def offered(m):
+        opt = _switching(m, hvd.Compression.fp16)
+        opt._tuner.rule.schedules = opt._tuner.local.schedules_chosen = True
+        return opt
+
+    model, opt = _train_with(offered, 30, watch)
     tuner = opt._tuner
     assert all(sched == Schedule(2, 1) for sched, _, _ in seen) and any(apart for _, _, apart in seen), seen
     assert [f.names for f in tuner.local.fragments] and len(tuner.local.fragments) == 2
@@ -807,7 +813,7 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     assert saved["stella_local_steps"]["fragments"] == 2 and saved["stella_local_steps"]["delay"] == 1
     other_model = _model()
     other_model.load_state_dict(model.state_dict())
-    other = _switching(other_model, hvd.Compression.fp16)
+    other = offered(other_model)
     other.load_state_dict(saved)
     assert other.mode == "local" and other._tuner.schedule == Schedule(2, 1)
     assert other._tuner.rule.predicted_schedule == Schedule(2, 1)

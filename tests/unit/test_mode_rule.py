@@ -419,3 +419,38 @@ def test_the_schedule_settings_are_validated():
         with pytest.raises(ValueError, match="max_delay must be an int >= 0"):
             Adjuster(max_delay=bad)
     assert Adjuster(fragments=[4, 1]).fragments == (1, 4)
+
+
+def test_a_schedule_whose_steps_run_slower_is_charged_for_them_and_left():
+    """The blocking exchange measured at 10 ms a step; under 2 fragments with a delay the
+    landings block little, but the steps take 20 ms (the exchange in flight shares the
+    collective thread with the cluster's reductions): the 8 x 10 ms per period is that
+    schedule's overhead, every option is scored at the blocking step, and the rule goes back."""
+    r, s = scheduled_rule()
+    blocking = 0.002 + 0.002 + 8 * 0.5e6 / (100 * MBIT)
+    r.after_local(0.010, blocking, 8)
+    assert r.base[0] == 0.010
+    now = Schedule(2, 3)
+    r.predicted_schedule = now
+    wire = 0.002 + 8 * 0.5e6 / (100 * MBIT)
+    outcomes = []
+    while r.predicted_schedule == now and len(outcomes) < 3:
+        outcomes.append(r.after_local(0.020, 0.004, 8, wire_s=2 * wire, schedule=now))
+    assert outcomes[-1][1].startswith("local steps through thc 4 bits reach"), outcomes
+    # the link as the blocking exchange measured it (0.5 MB in 42 ms), not as the schedule's wire
+    assert "link 95 Mbit/s" in outcomes[-1][1], outcomes[-1][1]
+    assert r.predicted_schedule == BLOCKING
+    assert r.overheads[(2, True)] >= 8 * 0.010 / 2
+    assert r.base[0] == 0.010   # (kept: measured under the blocking schedule only)
+
+
+def test_schedules_are_offered_where_every_cluster_has_one_rank():
+    from types import SimpleNamespace
+    from stella_mpi.optim.outer_sync import LocalSteps
+    from stella_mpi.optim.tuning import schedules_fit
+    ones, twos, uneven = (SimpleNamespace(cluster_members=m) for m in ([[0], [1]], [[0, 1], [2, 3]], [[0, 2], [1]]))
+    ls = LocalSteps(every=8)
+    assert schedules_fit(ls, ones) and not schedules_fit(ls, twos) and not schedules_fit(ls, uneven)
+    for own in (LocalSteps(every=8, fragments=2), LocalSteps(every=8, delay=1), LocalSteps(every=8, overlap=True),
+                LocalSteps(every=8, pace="time")):
+        assert not schedules_fit(own, ones)
