@@ -85,7 +85,8 @@ whole-model blocking exchange; a schedule is taken from a measured phase, as a r
 kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
 scored at the step the blocking schedule last measured, and what the schedule cost beyond the
 model (blocked time, and steps slower than that) is remembered per kind (``overheads``) and
-charged to it from then on, so a schedule that does not pay is left and not retried at once.
+charged to it from then on, so a schedule that does not pay is left, and tried again only
+where it would win even at that cost.
 
 Hysteresis, as the controller's: the other mode (or rung) is taken when its score is below
 ``1 - h/2`` times the current one's, in two decisions running for the same choice, and not before
@@ -202,8 +203,9 @@ class ModeRule:
     link_bps: Optional[float] = None
     schedules: bool = False                    # whether F and the delay are chosen (optim/tuning.py)
     predicted_schedule: Schedule = BLOCKING    # the one local steps would start with
-    # per schedule kind (F, delayed), the seconds per landing its last phase blocked beyond the
-    # model's prediction (after_local): charged to that kind's predictions from then on
+    # per schedule kind (F, delayed), what its last phase cost beyond the model's prediction
+    # (after_local): (seconds blocked per landing, seconds per step slower than the blocking
+    # schedule's), charged to that kind's predictions from then on
     overheads: dict = dataclasses.field(default_factory=dict)
     # (seconds per local step, transfer seconds, payload per entry) last measured under the
     # blocking schedule: under another schedule every option is predicted from them (its exchange
@@ -258,39 +260,36 @@ class ModeRule:
         blocked = exchange_s + (max(0.0, wire_s - every * step_s) if wire_s is not None else 0.0)
         return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
 
-    def _scheduled(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None):
-        """The best option of rung ``rung`` over the schedules (``blocking``: the whole-model
-        blocking one's; the fragments on ``Adjuster.fragments`` with their delays up to
-        ``Adjuster.max_delay``): per F, the smallest H on the ladder, a multiple of F with room for a
-        delay, whose blocked time fits the budget (the largest such H when none does), at the
-        delay that hides one fragment's wire (:func:`delay_for`). The blocked time holds, for each
-        of the period's F landings, what a landing of that kind of schedule cost beyond the model
-        when it last ran (``overheads``: blocked, and the steps' slowdown), else ``overhead``
-        (the current schedule's, in local steps), else nothing."""
+    def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None):
+        """The options of rung ``rung`` under each schedule: ``blocking`` (the whole-model
+        blocking one's), then per F on ``Adjuster.fragments`` (with ``schedules`` and a
+        ``max_delay``) the smallest H on the ladder, a multiple of F with room for a delay, whose
+        blocked time fits the budget (the largest such H when none does), at the delay that
+        hides one fragment's wire (:func:`delay_for`). What that kind of schedule cost beyond
+        the model when it last ran (``overheads``; else ``overhead``, the current schedule's, in
+        local steps; else nothing) is charged: the blocked seconds of each of its F landings,
+        and the slowdown of each step."""
         s = self.settings
-        best = blocking
+        options = [blocking]
         if not self.schedules or int(s.max_delay) < 1:
-            return best
+            return options
         latency = est.messages * est.latency_s
-        allowed = max((s.target - 1.0) * step_s, 1e-9)
         for f in s.fragments:
-            ladder = [h for h in s.local_steps if h % f == 0 and h // f >= 2]
-            extra = f * self.overheads.get((f, True), overhead or 0.0)
+            per_landing, slower = self.overheads.get((f, True), overhead or (0.0, 0.0))
+            step = step_s + slower
+            allowed = max((s.target - 1.0) * step, 1e-9)
             chosen = None
-            for h in ladder:
-                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step_s))
-                blocked = scheduled_exchange(cpu_s, wire_s, latency, step_s, h, sched) + extra
+            for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
+                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step))
+                blocked = scheduled_exchange(cpu_s, wire_s, latency, step, h, sched) + f * per_landing
                 chosen = (h, sched, blocked)
                 if blocked / h <= allowed:
                     break
-            if chosen is None:
-                continue
-            h, sched, blocked = chosen
-            option = LocalOption(rung, h, blocked, self.local_score(est, step_s, blocked, h, rung, sched.delay),
-                                 sched)
-            if option.score < best.score:
-                best = option
-        return best
+            if chosen is not None:
+                h, sched, blocked = chosen
+                options.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay),
+                                           sched))
+        return options
 
     def _best(self, options):
         """The best option, the current rung's on a tie (then the smaller payload)."""
@@ -364,11 +363,11 @@ class ModeRule:
             now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
         overlap = wire_s is not None and not streaming
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
-        overhead = None   # seconds per landing
+        overhead = None   # (seconds blocked per landing, seconds per step)
         if streaming:   # beyond the model: blocked longer, and the steps slower than the blocking schedule's
             overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, every,
-                                                                 schedule))
-                        + every * max(0.0, step_s - base)) / schedule.fragments
+                                                                 schedule)) / schedule.fragments,
+                        max(0.0, step_s - base))
             self.overheads[(schedule.fragments, schedule.delay > 0)] = overhead
         others = []
         for j, r in enumerate(self.pseudo):
@@ -377,13 +376,12 @@ class ModeRule:
                 if j != self.pseudo_index:
                     others.append(self._option(est, j, step_s, exchange_s, wire_j + est.cpu_s))
                 continue
-            blocking = self._option(est, j, base, wire_j + est.cpu_s)
-            best_j = self._scheduled(est, j, base, est.cpu_s, wire_j, blocking, overhead)
-            if j != self.pseudo_index:
-                others.append(best_j)
-            elif best_j.schedule != schedule and (best_j.schedule.fragments, best_j.schedule.delay > 0) != (
-                    schedule.fragments, schedule.delay > 0):
-                others.append(best_j)   # this rung under another schedule
+            options = self._schedules(est, j, base, est.cpu_s, wire_j, self._option(est, j, base, wire_j + est.cpu_s),
+                                      overhead)
+            if j == self.pseudo_index:   # this rung under another kind of schedule
+                options = [o for o in options if _key(o)[2:] != (schedule.fragments, schedule.delay > 0)]
+            if options:
+                others.append(self._best(options))
         sync = self.sync_score(predicted)
         there, target, best = sync, "sync", None
         if others:
@@ -405,6 +403,8 @@ class ModeRule:
         saved with it (an Estimate, or None), the pseudo rung and the schedule; the dead band
         starts over."""
         self.mode, self._votes, self._held, self._candidate = mode, 0, 0, None
+        # what schedules cost is measured again (a rank that joins, elastic, starts without it)
+        self.overheads, self.base = {}, None
         if schedule is not None:
             self.predicted_schedule = schedule
         if estimate is not None:

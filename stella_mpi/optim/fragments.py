@@ -69,12 +69,13 @@ class _Blocking:
         pass
 
 
-def as_exchange(exchange, index, count):
+def as_exchange(exchange, index, count, qualified=False):
     """Fragment ``index`` of ``count``'s exchange: ``exchange.fragment(index)`` where it names
-    its collectives per fragment (optim/tuning.py), ``exchange`` itself for one fragment; a plain
-    function is wrapped as launch/wait."""
+    its collectives per fragment (optim/tuning.py; ``qualified``: ``fragment(index, count)``, a
+    name that also holds F, for the adjuster's schedules, whose F changes between phases),
+    ``exchange`` itself for one fragment; a plain function is wrapped as launch/wait."""
     if count > 1 and hasattr(exchange, "fragment"):
-        exchange = exchange.fragment(index)
+        exchange = exchange.fragment(index, count) if qualified else exchange.fragment(index)
     if hasattr(exchange, "launch"):
         return exchange
     return _Blocking(exchange)

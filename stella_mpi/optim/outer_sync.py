@@ -391,14 +391,22 @@ class LocalStepsSync:
         self.schedules_chosen = False
         self._cycle = _Cycle()
 
-    def _plan(self, settings):
+    def _plan(self, settings, qualified=False):
         """The fragments of ``settings`` (each with a fresh outer optimizer) and whether their
-        schedule runs."""
-        self.settings = settings
-        self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
+        schedule runs (``qualified``: the collectives' names hold F, :func:`.fragments.as_exchange`).
+        Nothing changes when the cut or an outer optimizer is refused (ValueError)."""
         parts = plan_fragments(self.named, settings.fragments, settings.fragment_groups)
-        self.fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part, self.clusters),
-                                   as_exchange(self.exchange, i, len(parts))) for i, part in enumerate(parts)]
+        fragments = [Fragment(i, len(parts), part, settings.outer_optimizer(part, self.clusters),
+                              as_exchange(self.exchange, i, len(parts), qualified)) for i, part in enumerate(parts)]
+        self.settings, self.fragments = settings, fragments
+        self.streaming = settings.fragments > 1 or settings.delay > 0   # the fragments' schedule runs
+
+    def planned(self, every, fragments, delay):
+        """The LocalSteps of the schedule (H, F, delay) and its fragments' parameter names, checked
+        (ValueError naming what does not fit) and taken nowhere."""
+        settings = dataclasses.replace(self.settings, every=every, fragments=fragments, delay=delay,
+                                       fragment_groups=None)
+        return settings, [[n for n, _ in part] for part in plan_fragments(self.named, fragments)]
 
     @property
     def schedule(self):
@@ -407,15 +415,19 @@ class LocalStepsSync:
 
     def replan(self, every, fragments, delay):
         """The adjuster's schedule for the next phase: H = ``every``, F = ``fragments`` (the
-        balanced cut), ``delay``; the exchange in flight completed and forgotten, each fragment's
-        outer optimizer new (a phase starts from fresh anchors: :meth:`restart`). Each fragment's
-        collectives keep their names, ``<name>.f<index>`` of F, so what a schedule's residuals
-        did not send waits for the next phase of the same F. ValueError as LocalSteps raises it
-        for a schedule that does not fit H or the model."""
+        balanced cut), ``delay``; the exchange in flight completed and forgotten. Where F changes
+        the model is cut anew and each fragment's outer optimizer is new (``opt.outer_optimizers``
+        then names other objects: a learning-rate scheduler built over the old ones no longer
+        steers them); otherwise the outer optimizers are kept. A fragment's collectives are
+        named ``<name>.f<index>of<F>``, so what a schedule's residuals did not send waits for the
+        next phase of the same F. ValueError as LocalSteps raises it for a schedule that does
+        not fit H or the model (nothing changed then)."""
+        settings, _ = self.planned(every, fragments, delay)
         self.drop_in_flight()
-        if (every, fragments, delay) != (self.settings.every, len(self.fragments), self.settings.delay):
-            self._plan(dataclasses.replace(self.settings, every=every, fragments=fragments, delay=delay,
-                                           fragment_groups=None))
+        if (fragments, delay) != (len(self.fragments), self.settings.delay):
+            self._plan(settings, qualified=True)
+        else:
+            self.settings = settings
         self.progress.every = every
         self._cycle = _Cycle()
 
@@ -715,7 +727,10 @@ class LocalStepsSync:
         if arrived is None:
             return None
         at = arrived(flight.handle)
-        return at if isinstance(at, float) or at is None else self.clock()
+        if at is None:
+            return None
+        # (the exchange's time is time.perf_counter's: another clock, a test's, reads its own)
+        return at if isinstance(at, float) and self.clock is time.perf_counter else self.clock()
 
     def _land(self, flight, mix=None):
         """Wait for ``flight`` and apply it: ``global = outer(anchor, mean)``, ``params = mix *
@@ -894,15 +909,16 @@ class LocalStepsSync:
                   fragment_exchanges=[f.exchanges for f in self.fragments])
         return sd
 
-    def check(self, sd):
+    def check(self, sd, cut=None):
         """Raise ValueError, naming what is wrong, unless ``sd`` fits these parameters (a
         checkpoint of this layout, or of the one before the outer optimizer: ``momentum`` by
-        parameter name) and these fragments."""
+        parameter name) and these fragments (``cut``: the parameter names of each fragment of
+        the schedule it will be loaded under, :meth:`planned`; default: the current one's)."""
         names = [n for n, _ in self.named]
         for key in ("local_steps", "exchanges", "anchor"):
             if key not in sd:
                 raise ValueError("LocalSteps state: the checkpoint has no %r (keys %s)" % (key, sorted(sd)))
-        self._check_fragments(sd)
+        self._check_fragments(sd, cut if cut is not None else [f.names for f in self.fragments])
         by_name = dict(self.named)
         for what in ("anchor", "momentum"):
             held = sd.get(what) or {}
@@ -915,10 +931,10 @@ class LocalStepsSync:
                     raise ValueError("LocalSteps state: %s of parameter %r has shape %s, the parameter %s"
                                      % (what, n, list(getattr(t, "shape", [])), list(by_name[n].shape)))
 
-    def _check_fragments(self, sd):
+    def _check_fragments(self, sd, cut):
         outer = sd.get("outer")
         saved = sd.get("fragments", len(outer) if isinstance(outer, list) else 1)
-        count = len(self.fragments)
+        count = len(cut)
         if saved != count:
             raise ValueError("LocalSteps state: the checkpoint was saved with fragments=%r, this optimizer has "
                              "fragments=%d: each fragment's outer optimizer state belongs to its cut; load it with "
@@ -929,11 +945,11 @@ class LocalStepsSync:
             raise ValueError("LocalSteps state: outer must be a list of %d outer optimizer states (one per fragment), "
                              "got %s" % (count, type(outer).__name__ if not isinstance(outer, list) else
                                          "%d" % len(outer)))
-        for f, held in zip(self.fragments, sd.get("fragment_names") or [None] * count):
-            if held is not None and list(held) != f.names:
+        for index, (names, held) in enumerate(zip(cut, sd.get("fragment_names") or [None] * count)):
+            if held is not None and list(held) != list(names):
                 raise ValueError("LocalSteps state: fragment %d of the checkpoint holds %s, this optimizer's holds %s: "
                                  "pass the fragment_groups the checkpoint was saved with"
-                                 % (f.index, ", ".join(held), ", ".join(f.names)))
+                                 % (index, ", ".join(held), ", ".join(names)))
 
     def state_dict_on_host(self):
         """The state with its tensors on the CPU (to send to ranks whose devices differ)."""
@@ -949,9 +965,10 @@ class LocalStepsSync:
         self.drop_in_flight()
         params = dict(self.named)
         p = self.progress
-        p.every = p.every if keep_every or self.streaming else int(sd.get("every", self.settings.every))
+        own = keep_every or (self.streaming and not self.schedules_chosen)
+        p.every = p.every if own else int(sd.get("every", self.settings.every))
         p.local_steps, p.exchanges = int(sd["local_steps"]), int(sd["exchanges"])
-        if self.streaming:   # (H is the user's: a step of a cycle of another H falls into this one)
+        if self.streaming:   # (the user's H: a step of a cycle of another H falls into this one)
             p.local_steps %= p.every
         self.anchor = {n: t.detach().to(params[n].device, params[n].dtype).clone() for n, t in sd["anchor"].items()}
         self._load_outer(sd, params)

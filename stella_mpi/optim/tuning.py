@@ -169,8 +169,10 @@ class PseudoGradientExchange:
         self.comp = comp
         self.name = name
 
-    def fragment(self, index):
-        return _FragmentExchange(self, "%s.f%d" % (self.name, index))
+    def fragment(self, index, count=None):
+        """Fragment ``index``'s exchange, its collectives named ``<name>.f<index>`` (with
+        ``count``, the adjuster's schedules: ``<name>.f<index>of<count>``)."""
+        return _FragmentExchange(self, "%s.f%d%s" % (self.name, index, "" if count is None else "of%d" % count))
 
     def arrived(self, pending):
         """The time.perf_counter() at which the last collective of the exchange ``pending``
@@ -451,9 +453,11 @@ class ModeSwitch:
         if session is not None:
             ctrl = session.controller
             nclusters = opt._spec.clusters
-            self.rule = ModeRule(adjuster, ctrl, nclusters, [PseudoRung(n, payload_per_entry(c, nclusters),
-                                                                        _backlog_of(ctrl, c))
-                                                             for n, c in zip(self.rung_names, self.rungs)],
+            # (a fragment holds at least one parameter: F above their count is not offered)
+            fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
+            self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
+                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c))
+                                  for n, c in zip(self.rung_names, self.rungs)],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology))
             local.schedules_chosen = self.rule.schedules
@@ -708,23 +712,25 @@ class ModeSwitch:
                 "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None,
                 "pseudo": _comp_name(self.pseudo)}
 
-    def _replan_to(self, saved):
-        """The adjuster's schedule of a local-steps state ``saved`` (a checkpoint's, the root's)
-        taken before it is checked and loaded: its F and delay at its H. Without schedules the
-        state is checked against the optimizer's own."""
+    def _saved_schedule(self, saved):
+        """(H, F, delay) of a local-steps state ``saved`` (a checkpoint's, the root's) where the
+        adjuster chooses the schedule and the state's differs from the current one (None
+        otherwise: the state is checked against the optimizer's own), with the names of its
+        fragments; ValueError naming a schedule that does not fit this optimizer."""
         if not self.local.schedules_chosen or not isinstance(saved, dict):
-            return
+            return None, None
         outer = saved.get("outer")
         fragments = saved.get("fragments", len(outer) if isinstance(outer, list) else 1)
         delay, every = saved.get("delay", 0), saved.get("every", self.local.every)
-        if (fragments, delay) == self.local.schedule:
-            return
+        if (every, fragments, delay) == (self.local.every,) + self.local.schedule:
+            return None, None
         try:
-            self.local.replan(every, fragments, delay)
+            _, cut = self.local.planned(every, fragments, delay)
         except (TypeError, ValueError) as e:
             raise ValueError("DistributedOptimizer checkpoint: stella_local_steps holds the schedule every=%r, "
                              "fragments=%r, delay=%r, which does not fit this optimizer: %s"
                              % (every, fragments, delay, e)) from None
+        return (every, fragments, delay), cut
 
     def save(self, out):
         out["stella_local_steps"] = self.local.state_dict()
@@ -736,12 +742,15 @@ class ModeSwitch:
         mode, estimate, pseudo = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}),
                                               self.rung_names)
         saved = state_dict.pop("stella_local_steps", None)
+        schedule = None
         if saved is not None:
-            self._replan_to(saved)
-            self.local.check(saved)
+            schedule, cut = self._saved_schedule(saved)
+            self.local.check(saved, cut)
 
         def take():
             self.local.drop_in_flight()
+            if schedule is not None:   # (checked above: a refused checkpoint changes nothing)
+                self.local.replan(*schedule)
             if saved is not None:
                 self.local.load_state_dict(saved)
             self._take_mode(mode, estimate, pseudo)
@@ -763,7 +772,9 @@ class ModeSwitch:
         self.local.drop_in_flight()
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         theirs = broadcast_object(mine, root_rank, name="local_steps.state")
-        self._replan_to(theirs)
+        schedule, _ = self._saved_schedule(theirs)
+        if schedule is not None:
+            self.local.replan(*schedule)
         self.local.load_state_dict(theirs)
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
                                                        root_rank, name="mode_switch.mode"),
@@ -780,7 +791,7 @@ def schedules_fit(ls, topology=None):
     (docs/guides/local-steps.md). A cluster of one rank reduces without it (routes/sync.py)."""
     alone = topology is None or max(len(m) for m in topology.cluster_members) == 1
     return (ls.fragments == 1 and ls.delay == 0 and not ls.overlap and ls.pace == "steps"
-            and ls.fragment_groups is None and alone)
+            and ls.fragment_groups is None and not isinstance(ls.outer, torch.optim.Optimizer) and alone)
 
 
 def _kind(schedule):

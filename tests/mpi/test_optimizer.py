@@ -791,7 +791,7 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
         if step == 12:
             assert opt.mode == "local" and tuner.schedule == Schedule(1, 0)
             tuner.rule.predicted_schedule = Schedule(2, 1)
-            tuner._take_rung(4)
+            tuner._take_rung(8)
             _assert_same_everywhere(model)   # (the phase starts from the clusters' agreed parameters)
         if step > 12:
             seen.append((tuner.schedule, opt._outer.progress.local_steps, _clusters_apart(model)))
@@ -803,6 +803,9 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
 
     model, opt = _train_with(offered, 30, watch)
     tuner = opt._tuner
+    # a fragment holds at least one parameter: a model of 2 offers F=1 and 2 only
+    tiny = torch.nn.Linear(4, 2)
+    assert _switching(tiny, hvd.Compression.fp16)._tuner.rule.settings.fragments == (1, 2)
     assert all(sched == Schedule(2, 1) for sched, _, _ in seen) and any(apart for _, _, apart in seen), seen
     assert [f.names for f in tuner.local.fragments] and len(tuner.local.fragments) == 2
     assert tuner.local.settings.mix == "progress"
@@ -814,8 +817,15 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     other_model = _model()
     other_model.load_state_dict(model.state_dict())
     other = offered(other_model)
+    # a checkpoint refused (an anchor of another shape) leaves the optimizer as it was
+    bad = copy.deepcopy(saved)
+    first = next(iter(bad["stella_local_steps"]["anchor"]))
+    bad["stella_local_steps"]["anchor"][first] = torch.zeros(3)
+    with pytest.raises(ValueError, match="anchor of parameter"):
+        other.load_state_dict(bad)
+    assert other._tuner.schedule == Schedule(1, 0) and len(other._tuner.local.fragments) == 1
     other.load_state_dict(saved)
-    assert other.mode == "local" and other._tuner.schedule == Schedule(2, 1)
+    assert other.mode == "local" and other._tuner.schedule == Schedule(2, 1) and other.local_steps_every == 8
     assert other._tuner.rule.predicted_schedule == Schedule(2, 1)
     for m, o in ((model, opt), (other_model, other)):
         _steps(m, o, range(30, 36))

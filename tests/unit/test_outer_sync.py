@@ -35,7 +35,7 @@ class _Exchange:
     def __init__(self, two, cluster, index=None):
         self.two, self.cluster, self.index = two, cluster, index
 
-    def fragment(self, index):
+    def fragment(self, index, count=None):
         return _Exchange(self.two, self.cluster, index)
 
     def __call__(self, deltas):
@@ -571,6 +571,9 @@ def test_a_failed_collective_propagates_naming_its_fragment():
     from stella_mpi.compression import Compression
     from stella_mpi.optim.tuning import pseudo_gradient_exchange
     assert pseudo_gradient_exchange(Compression.none, "local_steps.0.delta").fragment(1).name == "local_steps.0.delta.f1"
+    # the adjuster's schedules name F too: its residuals are a cut's own
+    assert pseudo_gradient_exchange(Compression.none, "local_steps.0.delta").fragment(1, 4).name == \
+        "local_steps.0.delta.f1of4"
 
     class Failing:
         def __init__(self, name):
