@@ -12,7 +12,7 @@ if command -v cmake >/dev/null; then
         [ "$variant" = tsan ] && flags="-DSTELLA_TSAN=ON"
         cmake -S . -B "build/$variant" -DCMAKE_BUILD_TYPE=Release $flags >/dev/null
         cmake --build "build/$variant" -j2 >/dev/null
-        (cd "build/$variant" && ctest --output-on-failure)
+        (cd "build/$variant" && ctest --output-on-failure -j2)
     done
 else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
