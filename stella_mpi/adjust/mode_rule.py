@@ -129,6 +129,12 @@ class Schedule:
         """Inner steps per period that the wire runs beside."""
         return self.fragments * self.delay
 
+    @property
+    def kind(self):
+        """What a vote counts and a cost is remembered by: F, and whether it is delayed (the delay
+        itself follows the measured times and may move by a step between decisions)."""
+        return self.fragments, self.delay > 0
+
     def describe(self):
         if self.delay == 0 and self.fragments == 1:
             return ""
@@ -368,7 +374,7 @@ class ModeRule:
             overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, every,
                                                                  schedule)) / schedule.fragments,
                         max(0.0, step_s - base))
-            self.overheads[(schedule.fragments, schedule.delay > 0)] = overhead
+            self.overheads[schedule.kind] = overhead
         others = []
         for j, r in enumerate(self.pseudo):
             wire_j = latency + moved * r.payload_per_entry / max(self.rung.payload_per_entry, 1e-12)
@@ -379,7 +385,7 @@ class ModeRule:
             options = self._schedules(est, j, base, est.cpu_s, wire_j, self._option(est, j, base, wire_j + est.cpu_s),
                                       overhead)
             if j == self.pseudo_index:   # this rung under another kind of schedule
-                options = [o for o in options if _key(o)[2:] != (schedule.fragments, schedule.delay > 0)]
+                options = [o for o in options if o.schedule.kind != schedule.kind]
             if options:
                 others.append(self._best(options))
         sync = self.sync_score(predicted)
@@ -442,6 +448,5 @@ class ModeRule:
 
 
 def _key(option):
-    """What a vote for ``option`` is for: its rung and its schedule's kind (F, delayed or not:
-    the delay itself follows the measured times and may move by a step between decisions)."""
-    return ("local", option.rung, option.schedule.fragments, option.schedule.delay > 0)
+    """What a vote for ``option`` is for: its rung and its schedule's kind."""
+    return ("local", option.rung) + option.schedule.kind

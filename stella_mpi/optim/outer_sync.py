@@ -763,23 +763,16 @@ class LocalStepsSync:
         adjuster's schedules only): the seconds per step (the cycle's, less what its launches
         and landings blocked, over H), the seconds they blocked (with the last gather's), and
         the wire time of the exchanges that landed in it (launch to arrival, the arrival polled
-        once per step), gathered from every rank and combined as :meth:`_choose_every` does.
+        once per step), gathered from every rank (:meth:`_gathered`).
         A cycle not timed from its start on some rank (the first of a phase, or after a load),
         whose last step some rank skipped, or in which nothing landed decides nothing. Returns
         (compute_s, exchange_s, wire_s), or None."""
         cycle, self._cycle = self._cycle, _Cycle()
-        t0 = self.clock()
-        start = self._period_start if self._period_start is not None else t0
-        compute_s = max(0.0, t0 - start - cycle.blocked) / max(1, self.progress.every)
+        now = self.clock()
+        start = self._period_start if self._period_start is not None else now
+        compute_s = max(0.0, now - start - cycle.blocked) / max(1, self.progress.every)
         timed = self._timed and not skipped and cycle.landed > 0
-        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (cycle.blocked + self._gather_s)),
-                              round(1e6 * cycle.wire), self.cluster_id, int(timed)]], dtype=torch.int64)
-        rows = self.gather(mine)
-        self._gather_s = self.clock() - t0
-        self.measured = None
-        if bool((rows[:, 4] == 1).all()):
-            self.measured = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
-                                          for r in rows.tolist()])
+        self.measured = self._gathered(compute_s, cycle.blocked, cycle.wire, timed)
         self._period_start, self._timed = self.clock(), True
         return self.measured
 
@@ -861,24 +854,17 @@ class LocalStepsSync:
     def _choose_every(self, compute_s, exchange_s, wire_s=None, skipped=False):
         """The adjuster's H for the next period, from this period's times (seconds per local
         step; seconds the exchange blocked the step; with overlap, the seconds from the launch
-        of the exchange just applied to its arrival), gathered from every rank as integer
-        microseconds with its cluster (one all-gather: every rank decides from the same values),
-        combined by :func:`..adjust.local_steps_rule.period_times`; the exchange includes the last
-        gather's time. A period not timed from its start on some rank (the first one, or after a
+        of the exchange just applied to its arrival), gathered from every rank (:meth:`_gathered`).
+        A period not timed from its start on some rank (the first one, or after a
         load), whose last step some rank skipped, or with nothing in flight, decides nothing.
         Returns the times decided from, or None."""
-        t0 = self.clock()
-        measured = self._timed and not skipped and (wire_s is not None or self.channel is None)
-        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
-                              round(1e6 * (wire_s or 0.0)), self.cluster_id, int(measured)]], dtype=torch.int64)
-        rows = self.gather(mine)
-        self._gather_s = self.clock() - t0
+        timed = self._timed and not skipped and (wire_s is not None or self.channel is None)
+        gathered = self._gathered(compute_s, exchange_s, wire_s or 0.0, timed)
         self.measured = None
-        if bool((rows[:, 4] == 1).all()):
+        if gathered is not None:
             p = self.progress
             self.rule.every = p.every   # (a loaded checkpoint may have set it)
-            compute, exchange, wire = period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])]
-                                                    for r in rows.tolist()])
+            compute, exchange, wire = gathered
             wire = wire if self.channel is not None else None
             every, reason = self.rule.observe(compute, exchange, wire)
             self.measured = (compute, exchange, wire)
@@ -887,6 +873,20 @@ class LocalStepsSync:
             p.every, self.reason = every, reason
         self._period_start, self._timed = self.clock(), True
         return self.measured
+
+    def _gathered(self, compute_s, exchange_s, wire_s, timed):
+        """This rank's period times (the exchange with the last gather's time), gathered from
+        every rank as integer microseconds with its cluster (one all-gather: every rank decides
+        from the same values) and combined by :func:`..adjust.local_steps_rule.period_times`;
+        None unless every rank's period was ``timed``."""
+        t0 = self.clock()
+        mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
+                              round(1e6 * wire_s), self.cluster_id, int(timed)]], dtype=torch.int64)
+        rows = self.gather(mine)
+        self._gather_s = self.clock() - t0
+        if not bool((rows[:, 4] == 1).all()):
+            return None
+        return period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])] for r in rows.tolist()])
 
     # ---------------- checkpoints
 

@@ -43,7 +43,7 @@ from ..api.allgather import allgather
 from ..api.allreduce import (allreduce_async, allreduce_tensors_async, compressed_allreduce_async,
                              grouped_allreduce_async, new_outputs)
 from ..api.functions import broadcast_object
-from ..api.handles import finished_at, synchronize
+from ..api.handles import GroupHandle, finished_at, synchronize
 from ..api.queries import rank
 from ..api.reduce_ops import Average, Max
 from ..base import timeline
@@ -177,10 +177,7 @@ class PseudoGradientExchange:
     def arrived(self, pending):
         """The time.perf_counter() at which the last collective of the exchange ``pending``
         ended, or None while one runs (or cannot tell)."""
-        if any(callable(h) for h in pending[0]):
-            return None
-        times = [finished_at(h) for h in pending[0]]
-        return None if any(t is None for t in times) else max(times, default=None)
+        return None if any(callable(h) for h in pending[0]) else finished_at(GroupHandle(pending[0]))
 
     def __call__(self, deltas):
         return self.wait(self.launch(deltas))
@@ -560,7 +557,7 @@ class ModeSwitch:
                 self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
-                elif self.rule.pseudo_index != rung or _kind(self.rule.predicted_schedule) != _kind(now):
+                elif self.rule.pseudo_index != rung or self.rule.predicted_schedule.kind != now.kind:
                     self._take_rung(self.rule.predicted_every)
             return
         session = self.session
@@ -792,11 +789,6 @@ def schedules_fit(ls, topology=None):
     alone = topology is None or max(len(m) for m in topology.cluster_members) == 1
     return (ls.fragments == 1 and ls.delay == 0 and not ls.overlap and ls.pace == "steps"
             and ls.fragment_groups is None and not isinstance(ls.outer, torch.optim.Optimizer) and alone)
-
-
-def _kind(schedule):
-    """A schedule as the mode rule votes for it: F, and whether it is delayed."""
-    return schedule.fragments, schedule.delay > 0
 
 
 def _comp_name(comp):

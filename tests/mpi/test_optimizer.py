@@ -824,6 +824,11 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     with pytest.raises(ValueError, match="anchor of parameter"):
         other.load_state_dict(bad)
     assert other._tuner.schedule == Schedule(1, 0) and len(other._tuner.local.fragments) == 1
+    bad = copy.deepcopy(saved)
+    bad["stella_local_steps"]["fragments"] = 99   # (more fragments than the model has parameters)
+    with pytest.raises(ValueError, match="holds the schedule every=8, fragments=99, delay=1, which does not fit"):
+        other.load_state_dict(bad)
+    assert other._tuner.schedule == Schedule(1, 0)
     other.load_state_dict(saved)
     assert other.mode == "local" and other._tuner.schedule == Schedule(2, 1) and other.local_steps_every == 8
     assert other._tuner.rule.predicted_schedule == Schedule(2, 1)
