@@ -15,7 +15,13 @@ In one run:
    timed steps, ratios to DDP;
 3. the CPU engine with the model on the GPU, staleness 0 against 1: mean wall time per step and GPU
    idle time per step (that wall time minus the time forward and backward alone take, measured
-   on the same model and batch without collectives).
+   on the same model and batch without collectives);
+4. the pseudo-gradient compressors' select (SparseLoCo 1 % at 2 bits, DeMo's DCT 1/32 at 4 bits,
+   with error feedback) of a CUDA tensor on the device route against the host route the same
+   compressor takes with ``selects_on_device`` off (the copy to the host, the transform and the
+   C kernels), on the same tensor, 1M to 64M elements.
+
+``--parts`` picks among them (default: all; "selection" is 1 and 4).
 
 Parts 2 and 3 run under ``mpirun -np 2`` launched by this script (``--worker``).
 """
@@ -65,6 +71,30 @@ def selection_throughput(device, sizes, density=0.01, reps=5):
                      "cacheaware_gelem_per_s": n / t_blk / 1e9})
         print("select n=%-9d torch.topk %.2f ms  cache-aware %.2f ms (x%.2f)  exact top-k %.2f ms (x%.2f)"
               % (n, 1e3 * t_ref, 1e3 * t_blk, t_blk / t_ref, 1e3 * t_top, t_top / t_ref), flush=True)
+    return rows
+
+
+def pseudo_selection(device, sizes, reps=3):
+    """Part 4: the compressor's select on the device route against the host route, per size."""
+    from stella_mpi.compression import Memory, TensorContext
+    from stella_mpi.compression.dct import DCTCompressor
+    from stella_mpi.compression.sparseloco import SparseLoCoCompressor
+    settings = {"sparseloco": lambda: SparseLoCoCompressor(density=0.01, chunk=4096, bits=2),
+                "dct": lambda: DCTCompressor(density=1.0 / 32, chunk=64, bits=4)}
+    rows = []
+    for n in sizes:
+        g = torch.randn(n, device=device)
+        for name, make in settings.items():
+            timed = {}
+            for route in ("device", "host"):
+                comp, memory = make(), Memory()
+                comp.selects_on_device = route == "device"
+                ctx = TensorContext("bench.%s" % name, 0, (n,))
+                timed[route] = _timed(lambda: comp.select(g, ctx, memory), device, reps)
+            rows.append({"n": n, "compressor": name, "device_route_s": timed["device"], "host_route_s": timed["host"],
+                         "device_vs_host": timed["device"] / timed["host"]})
+            print("pseudo-gradient select %-10s n=%-9d device route %.2f ms  host route %.2f ms (x%.3f)"
+                  % (name, n, 1e3 * timed["device"], 1e3 * timed["host"], timed["device"] / timed["host"]), flush=True)
     return rows
 
 
@@ -273,6 +303,8 @@ def main():
                    help="per-step modes (ddp and dense send every byte: 32 s a step for 100M at 100 Mbit/s)")
     p.add_argument("--thc-models", nargs="+", default=None, help="models THC runs on (default: all)")
     p.add_argument("--engine-models", nargs="+", default=None, help="models the CPU engine runs on (default: the first)")
+    p.add_argument("--parts", nargs="+", default=["selection", "train"], choices=["selection", "train"],
+                   help="selection: parts 1 and 4 (one process); train: parts 2 and 3 (two ranks)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
@@ -289,13 +321,16 @@ def main():
     sizes = [1 << 16, 1 << 20] if args.small else [1 << 20, 1 << 24, 1 << 26]
     from bench.provenance import provenance
     out = {"command": " ".join(sys.argv), "provenance": provenance(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "rate_bps": args.rate, "density": args.density,
-           "selection": selection_throughput(device, sizes)}
-    from bench.two_clusters import run_two_clusters
-    out.update(run_two_clusters(__file__, [
-        "--device", args.device, "--rate", args.rate, "--density", args.density, "--steps", args.steps,
-        "--batch", args.batch, "--models", *args.models, "--modes", *args.modes, "--thc-models", *args.thc_models,
-        "--engine-models", *args.engine_models], args.rate, threads=2, timeout=3000))
+           "torch": torch.__version__, "rate_bps": args.rate, "density": args.density}
+    if "selection" in args.parts:
+        out["selection"] = selection_throughput(device, sizes)
+        out["pseudo_selection"] = pseudo_selection(device, sizes)
+    if "train" in args.parts:
+        from bench.two_clusters import run_two_clusters
+        out.update(run_two_clusters(__file__, [
+            "--device", args.device, "--rate", args.rate, "--density", args.density, "--steps", args.steps,
+            "--batch", args.batch, "--models", *args.models, "--modes", *args.modes, "--thc-models", *args.thc_models,
+            "--engine-models", *args.engine_models], args.rate, threads=2, timeout=3000))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -8,7 +8,12 @@ Gradients and pseudo-gradients are smooth along a parameter's rows, so a few low
 coefficients hold much of a chunk's energy (DeMo, Peng et al. 2024). A short tail (``numel %
 chunk`` entries) is left untransformed. The transforms are one matrix product per chunk size
 (chunks of 16 to 1024 entries); the inverse runs in float64 and is rounded to float32, so
-every rank turns the same coefficients into the same bits (whatever its BLAS)."""
+every rank turns the same coefficients into the same bits (whatever its BLAS).
+
+A CUDA tensor is transformed, selected and quantised on its device, its residual there (as
+SparseLoCo's, :mod:`.device_chunked`); only the selection is copied to the host. There the
+forward runs in float64 too, so a script's ``allow_tf32`` never rounds the coefficients to 10
+bits (an error outside the error feedback's reach); on the host it is a float32 product."""
 import math
 
 import torch
@@ -19,24 +24,30 @@ DCT_CHUNK_MAX = 1024
 _BASES = {}
 
 
-def dct_basis(chunk, dtype=torch.float32):
-    """The orthonormal DCT-II matrix D (chunk x chunk): coefficients = D @ x, x = D.T @ coefficients."""
-    key = (chunk, dtype)
+def dct_basis(chunk, dtype=torch.float32, device="cpu"):
+    """The orthonormal DCT-II matrix D (chunk x chunk): coefficients = D @ x, x = D.T @ coefficients
+    (one copy per chunk, dtype and device)."""
+    device = torch.device(device)
+    key = (chunk, dtype, device)
     if key not in _BASES:
         i = torch.arange(chunk, dtype=torch.float64)
         d = torch.cos(math.pi * (i[None, :] + 0.5) * i[:, None] / chunk) * math.sqrt(2.0 / chunk)
         d[0] /= math.sqrt(2.0)
-        _BASES[key] = d.to(dtype)
+        _BASES[key] = d.to(device, dtype)
     return _BASES[key]
 
 
 def forward(flat, chunk):
-    """The DCT-II of every full chunk of ``flat`` (1-D float32); the tail as it is."""
+    """The DCT-II of every full chunk of ``flat`` (1-D float32); the tail as it is. On the host a
+    float32 product; elsewhere (CUDA) a float64 one rounded to float32, whatever allow_tf32 says."""
     full = flat.numel() // chunk * chunk
     out = torch.empty_like(flat)
     if full:
-        torch.matmul(flat[:full].view(-1, chunk), dct_basis(chunk, flat.dtype).to(flat.device).t(),
-                     out=out[:full].view(-1, chunk))
+        rows = flat[:full].view(-1, chunk)
+        if flat.device.type == "cpu":
+            torch.matmul(rows, dct_basis(chunk, flat.dtype).t(), out=out[:full].view(-1, chunk))
+        else:
+            out[:full].view(-1, chunk).copy_(rows.to(torch.float64) @ dct_basis(chunk, torch.float64, flat.device).t())
     out[full:] = flat[full:]
     return out
 
@@ -46,7 +57,7 @@ def inverse_(flat, chunk):
     full = flat.numel() // chunk * chunk
     if full:
         coef = flat[:full].view(-1, chunk).to(torch.float64)
-        flat[:full].view(-1, chunk).copy_(coef @ dct_basis(chunk, torch.float64).to(flat.device))
+        flat[:full].view(-1, chunk).copy_(coef @ dct_basis(chunk, torch.float64, flat.device))
     return flat
 
 
@@ -57,9 +68,6 @@ class DCTCompressor(SparseLoCoCompressor):
     name = "dct"
     float_values = True
     chunk_max = DCT_CHUNK_MAX
-    # the transform stays on the host, where its float64 inverse runs and where the device-route
-    # tests compare it (moving the forward to the GPU is unmeasured)
-    selects_on_device = False
 
     def __init__(self, density=1.0 / 32, chunk=64, bits=4, feedback_decay=1.0, error_feedback=True,
                  momentum_correction=False, warmup=0, value_dtype="float32"):

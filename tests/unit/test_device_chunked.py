@@ -9,6 +9,7 @@ import torch
 from stella_mpi._native import chunked as C
 from stella_mpi.compression import Memory, Selection, TensorContext
 from stella_mpi.compression import device_chunked as D
+from stella_mpi.compression.dct import DCTCompressor, forward
 from stella_mpi.compression.sparseloco import SparseLoCoCompressor
 
 from test_chunked_kernels import SETTINGS, SIZES, _data
@@ -107,3 +108,40 @@ def test_the_compressor_selects_on_the_device_route_as_on_the_host(device, monke
         # a device selection, copied to the host as the exchange does, encodes to the host's payload
         copied = Selection(b.indices.cpu(), b.values.cpu(), n, scales=b.scales.cpu())
         assert torch.equal(comp.encode(a, ctx), comp.encode(copied, ctx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk,bits", [(64, 4), (32, 2), (128, None)])
+def test_the_dct_compressor_selects_on_the_device_route_as_on_the_host(device, chunk, bits, monkeypatch):
+    """Compression.dct's select over several exchanges (error feedback in the coefficient
+    domain): the device route keeps the transform, the selection and the residual where the
+    tensor is. Under STELLA_DEVICE_PATH=torch on the host the transform is the host's float32
+    product, so everything matches bit for bit; on CUDA the transform is a float64 product
+    rounded to float32, so the coefficients may differ in their last bit: the same entries are
+    chosen (a near tie may flip a few) and the values and residuals agree to float32 rounding."""
+    comp = DCTCompressor(density=1.0 / 16, chunk=chunk, bits=bits)
+    n = 5 * chunk * 7 + 13
+    host, dev = Memory(), Memory()
+    before = torch.zeros(n)
+    for step in range(4):
+        x = torch.from_numpy(_data(n, 70 + step)) * torch.linspace(0.5, 2.0, n)
+        ctx = TensorContext("dct", step, (n,))
+        monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
+        a = comp.select(x, ctx, host)
+        if device == "cpu":
+            monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
+        b = comp.select(x.to(device), ctx, dev)
+        assert b.values.device.type == device and dev.get("dct").device.type == device
+        if device == "cpu":
+            assert torch.equal(a.indices, b.indices.cpu())
+            _same(a.values, b.values, "values at step %d" % step)
+            if bits:
+                _same(a.scales, b.scales, "scales at step %d" % step)
+            _same(host.get("dct"), dev.get("dct"), "residual at step %d" % step)
+        else:   # the same entries, and error feedback's sum: what was sent plus the residual is what was due
+            same = np.intersect1d(a.indices.numpy(), b.indices.cpu().numpy()).size
+            assert same >= 0.99 * a.indices.numel(), "step %d: %d of %d entries alike" % (step, same, a.indices.numel())
+            due = forward(x.double(), chunk).float() + before
+            sent = Selection(b.indices.cpu(), b.values.cpu(), n).to_dense()
+            torch.testing.assert_close(sent + dev.get("dct").cpu(), due, rtol=1e-5, atol=1e-5 * float(due.abs().max()))
+        before = dev.get("dct").cpu().clone()
