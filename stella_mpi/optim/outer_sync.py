@@ -104,6 +104,7 @@ from dataclasses import dataclass
 import torch
 
 from ..adjust.local_steps_rule import period_times
+from ..base import timeline
 from ..base.errors import NonFiniteGradientError
 from ..core import state
 from .fragments import Fragment, InFlight, as_exchange, plan_fragments
@@ -714,10 +715,12 @@ class LocalStepsSync:
 
     def _launch(self, fragment, delay=None):
         delay = self.settings.delay if delay is None else delay
-        deltas = [(self.anchor[name] - p.detach()).contiguous() for name, p in fragment.named]
-        # mix "progress": the parameters at the launch, to take the progress since from them
-        kept = [p.detach().clone() for _, p in fragment.named] if self.settings.mix == "progress" and delay else None
-        return InFlight(fragment, fragment.exchange.launch(deltas), delay, kept=kept, launched=self.clock())
+        with timeline.op_scope(_op_name(fragment)), timeline.span("OUTER_LAUNCH", delay=delay):
+            deltas = [(self.anchor[name] - p.detach()).contiguous() for name, p in fragment.named]
+            # mix "progress": the parameters at the launch, to take the progress since from them
+            kept = [p.detach().clone() for _, p in fragment.named] if self.settings.mix == "progress" and delay else None
+            handle = fragment.exchange.launch(deltas)
+        return InFlight(fragment, handle, delay, kept=kept, launched=self.clock())
 
     def _arrived(self, flight):
         """When ``flight``'s collectives completed: the exchange's own time where it tells
@@ -741,21 +744,24 @@ class LocalStepsSync:
         fragment = flight.fragment
         if flight.arrived is None:
             flight.arrived = self._arrived(flight)
-        try:
-            avgs = fragment.exchange.wait(flight.handle)
-        except NonFiniteGradientError as e:
-            self._refused(str(e), fragment)
-            return False
-        finally:
-            self._cycle.landed += 1
-            self._cycle.wire += (flight.arrived or self.clock()) - flight.launched
-        mix = self.settings.mix if mix is None else mix
-        progress = None
-        if mix == "progress":
-            mix = 0.0
-            if flight.kept is not None:
-                progress = [p.detach() - k for (_, p), k in zip(fragment.named, flight.kept)]
-        self._outer_apply(avgs, progress, fragment=fragment, mix=mix)
+        with timeline.op_scope(_op_name(fragment)):
+            try:
+                with timeline.span("OUTER_WAIT", arrived=flight.arrived is not None):
+                    avgs = fragment.exchange.wait(flight.handle)
+            except NonFiniteGradientError as e:
+                self._refused(str(e), fragment)
+                return False
+            finally:
+                self._cycle.landed += 1
+                self._cycle.wire += (flight.arrived or self.clock()) - flight.launched
+            mix = self.settings.mix if mix is None else mix
+            progress = None
+            if mix == "progress":
+                mix = 0.0
+                if flight.kept is not None:
+                    progress = [p.detach() - k for (_, p), k in zip(fragment.named, flight.kept)]
+            with timeline.span("OUTER_STEP"):
+                self._outer_apply(avgs, progress, fragment=fragment, mix=mix)
         return True
 
     def _measure_cycle(self, skipped):
@@ -994,6 +1000,11 @@ class LocalStepsSync:
         first.outer.state.clear()
         for n, t in (sd.get("momentum") or {}).items():
             first.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
+
+
+def _op_name(fragment):
+    """The timeline's op for a fragment's launch and landing: its exchange's collective name."""
+    return getattr(fragment.exchange, "name", None) or "local_steps.f%d" % fragment.index
 
 
 def _to_cpu(obj):
