@@ -79,7 +79,8 @@ delay of inner steps::
     blocked(H, F, delay) = cpu + max(0, wire + (F - 1) * latency - F * delay * step)
     local_shape(H, delay) = (1 - 1/C) * sqrt((H - 1) / 2 + delay)
 
-with the delay the fewest steps that hide one fragment's wire (:func:`delay_for`), below H/F,
+with the delay the fewest steps that hide one fragment's whole exchange, its encoding and
+decoding included (they run on the collective thread beside the steps; :func:`delay_for`), below H/F,
 and H per F the smallest on the ladder that fits the budget. Local steps start with the
 whole-model blocking exchange; a schedule is taken from a measured phase, as a rung is (its
 kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
@@ -156,11 +157,14 @@ def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, every, schedule):
     return cpu_s + max(0.0, wire - schedule.hide * step_s)
 
 
-def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s):
+def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s, cpu_s=0.0):
     """The delay the adjuster gives F = ``fragments`` at H = ``every``: the fewest inner steps
-    that hide one fragment's wire (at least 1), at most ``max_delay`` and below H/F (a fragment
-    lands before the next one is launched)."""
-    per_fragment = (wire_s + (fragments - 1) * latency_s) / fragments
+    that hide one fragment's exchange (at least 1), at most ``max_delay`` and below H/F (a
+    fragment lands before the next one is launched). The exchange is the fragment's share of
+    the wire and of ``cpu_s``, the encoding and decoding, which run on the collective thread
+    beside the steps too: on an H200 a fragment given steps for its wire alone still blocked
+    9 ms of its 20 at each landing (docs/guides/local-steps.md)."""
+    per_fragment = (cpu_s + wire_s + (fragments - 1) * latency_s) / fragments
     need = max(1, int(math.ceil(per_fragment / max(step_s, 1e-9) - 1e-9)))
     return min(need, int(max_delay), every // fragments - 1)
 
@@ -271,7 +275,7 @@ class ModeRule:
         blocking one's), then per F on ``Adjuster.fragments`` (with ``schedules`` and a
         ``max_delay``) the smallest H on the ladder, a multiple of F with room for a delay, whose
         blocked time fits the budget (the largest such H when none does), at the delay that
-        hides one fragment's wire (:func:`delay_for`). What that kind of schedule cost beyond
+        hides one fragment's exchange (:func:`delay_for`). What that kind of schedule cost beyond
         the model when it last ran (``overheads``; else ``overhead``, the current schedule's, in
         local steps; else nothing) is charged: the blocked seconds of each of its F landings,
         and the slowdown of each step."""
@@ -286,7 +290,7 @@ class ModeRule:
             allowed = max((s.target - 1.0) * step, 1e-9)
             chosen = None
             for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
-                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step))
+                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s))
                 blocked = scheduled_exchange(cpu_s, wire_s, latency, step, h, sched) + f * per_landing
                 chosen = (h, sched, blocked)
                 if blocked / h <= allowed:

@@ -345,6 +345,10 @@ def test_a_schedule_blocks_on_what_its_delay_does_not_hide():
     assert delay_for(8, 4, 8, 0.120, 0.001, 0.030) == 1     # 8/4 - 1
     assert delay_for(64, 1, 2, 0.120, 0.001, 0.030) == 2     # max_delay
     assert delay_for(16, 1, 8, 1e-6, 0.0, 0.030) == 1
+    # the H200's fragments of 2 (100 Mbit/s): 9.4 ms of wire and 11 ms of encoding and decoding
+    # each, 8 ms steps: the wire alone asks for 2 steps, the whole exchange for 3
+    assert delay_for(16, 2, 8, 0.0188, 0.0, 0.008) == 2
+    assert delay_for(16, 2, 8, 0.0188, 0.0, 0.008, cpu_s=0.022) == 3
     assert local_backlog_shape(9, 2, delay=0) == pytest.approx(0.5 * 2.0)
     assert local_backlog_shape(9, 2, delay=5) == pytest.approx(0.5 * 3.0)
 
