@@ -22,6 +22,7 @@ from .sparseloco import SparseLoCoCompressor
 
 DCT_CHUNK_MAX = 1024
 _BASES = {}
+_ROWS = 1 << 22   # entries per float64 slice of the device transform (32 MiB)
 
 
 def dct_basis(chunk, dtype=torch.float32, device="cpu"):
@@ -37,6 +38,11 @@ def dct_basis(chunk, dtype=torch.float32, device="cpu"):
     return _BASES[key]
 
 
+def _in_float64(flat):
+    """Whether the forward transform of ``flat`` is the float64 product (off the host)."""
+    return flat.device.type != "cpu"
+
+
 def forward(flat, chunk):
     """The DCT-II of every full chunk of ``flat`` (1-D float32); the tail as it is. On the host a
     float32 product; elsewhere (CUDA) a float64 one rounded to float32, whatever allow_tf32 says."""
@@ -44,10 +50,12 @@ def forward(flat, chunk):
     out = torch.empty_like(flat)
     if full:
         rows = flat[:full].view(-1, chunk)
-        if flat.device.type == "cpu":
+        if not _in_float64(flat):
             torch.matmul(rows, dct_basis(chunk, flat.dtype).t(), out=out[:full].view(-1, chunk))
-        else:
-            out[:full].view(-1, chunk).copy_(rows.to(torch.float64) @ dct_basis(chunk, torch.float64, flat.device).t())
+        else:   # in slices, so the float64 copy stays small whatever the tensor
+            basis, dst, step = dct_basis(chunk, torch.float64, flat.device).t(), out[:full].view(-1, chunk), _ROWS // chunk
+            for r in range(0, rows.shape[0], step):
+                dst[r:r + step].copy_(rows[r:r + step].to(torch.float64) @ basis)
     out[full:] = flat[full:]
     return out
 

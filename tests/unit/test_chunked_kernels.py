@@ -301,6 +301,20 @@ def ref_dct(x, chunk):
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 5])
 @pytest.mark.parametrize("chunk", [16, 64, 1024])
+def test_the_devices_float64_transform_in_slices_matches_the_formula(n, chunk, monkeypatch):
+    """The forward transform a CUDA tensor takes (a float64 product, in slices of _ROWS
+    entries), run on the host: within float32 rounding of the formula, the tail untouched."""
+    from stella_mpi.compression import dct
+    monkeypatch.setattr(dct, "_in_float64", lambda flat: True)
+    monkeypatch.setattr(dct, "_ROWS", 3072)   # several slices, the last one short
+    x = _data(n, n + chunk)
+    coef = dct.forward(torch.from_numpy(x), chunk).numpy()
+    np.testing.assert_allclose(coef, ref_dct(x, chunk), rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(x).max())))
+    assert np.array_equal(coef[n // chunk * chunk:], x[n // chunk * chunk:])
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 5])
+@pytest.mark.parametrize("chunk", [16, 64, 1024])
 def test_dct_matches_the_formula_and_inverts(n, chunk):
     from stella_mpi.compression.dct import forward, inverse_
     x = _data(n, n + chunk)
