@@ -3,9 +3,7 @@
 # Long runs (fuzzing, WAN benchmarks) have their own commands; see docs/results/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-. .venv/bin/activate
-if command -v cmake >/dev/null; then
+c_tests() {
     for variant in release asan tsan; do
         flags=""
         [ "$variant" = asan ] && flags="-DSTELLA_SANITIZE=ON"
@@ -14,8 +12,26 @@ if command -v cmake >/dev/null; then
         cmake --build "build/$variant" -j2 >/dev/null
         (cd "build/$variant" && ctest --output-on-failure -j2)
     done
+}
+# the C tests need only cmake and a compiler: they build and run while pip fills the venv
+# (about 40 s of the fresh clone's 13 minutes)
+c_pid=""
+if command -v cmake >/dev/null; then
+    mkdir -p build
+    c_tests > build/c_tests.log 2>&1 &
+    c_pid=$!
 else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
+fi
+bash scripts/setup_env.sh
+. .venv/bin/activate
+if [ -n "$c_pid" ]; then
+    if ! wait "$c_pid"; then
+        cat build/c_tests.log
+        echo "run_tests.sh: the C tests failed (build/c_tests.log)"
+        exit 1
+    fi
+    grep -E "tests passed|Total Test time" build/c_tests.log
 fi
 started=$(date +%s)
 python -m pytest -q -m "not slow" --durations=25 "$@"
