@@ -27,6 +27,8 @@ import torch
 from .._native import chunked as kernels
 from .device_select import _LOW32, _accumulate, _take, _top_units, magnitude_keys
 
+_SLICE = 1 << 22   # entries whose keys are taken at once (the temporaries: about 32 MiB each)
+
 
 def chunk_topk(flat, chunk, k, residual=None):
     """(int32 indices ascending, float32 values) on ``flat``'s device: ``stella_chunk_topk_f32``."""
@@ -35,20 +37,23 @@ def chunk_topk(flat, chunk, k, residual=None):
     dev = acc.device
     if n == 0:
         return torch.empty(0, dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.float32, device=dev)
-    keys = magnitude_keys(acc)
     full = n // chunk
     parts = []
     if full:
         if k >= chunk:
             parts.append(torch.arange(full * chunk, device=dev))
-        else:
-            order = (keys[:full * chunk].view(full, chunk) << 32) | \
-                (_LOW32 - torch.arange(chunk, device=dev, dtype=torch.int64))
-            top = torch.sort(torch.topk(order, k, dim=1, sorted=False).indices, dim=1).values
-            parts.append((top + torch.arange(full, device=dev, dtype=torch.int64)[:, None] * chunk).reshape(-1))
+        else:   # in slices of whole chunks: the int64 keys and orders are 8 bytes an entry each
+            rows = max(1, _SLICE // chunk)
+            low = _LOW32 - torch.arange(chunk, device=dev, dtype=torch.int64)
+            for r in range(0, full, rows):
+                m = min(rows, full - r)
+                order = (magnitude_keys(acc[r * chunk:(r + m) * chunk]).view(m, chunk) << 32) | low
+                top = torch.sort(torch.topk(order, k, dim=1, sorted=False).indices, dim=1).values
+                del order
+                parts.append((top + torch.arange(r, r + m, device=dev, dtype=torch.int64)[:, None] * chunk).reshape(-1))
     if n > full * chunk:
         tail = n - full * chunk
-        parts.append(_top_units(keys[full * chunk:], kernels.topk_count(tail, chunk, k)) + full * chunk)
+        parts.append(_top_units(magnitude_keys(acc[full * chunk:]), kernels.topk_count(tail, chunk, k)) + full * chunk)
     return _take(acc, parts[0] if len(parts) == 1 else torch.cat(parts), residual)
 
 

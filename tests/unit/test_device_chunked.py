@@ -145,3 +145,17 @@ def test_the_dct_compressor_selects_on_the_device_route_as_on_the_host(device, c
             sent = Selection(b.indices.cpu(), b.values.cpu(), n).to_dense()
             torch.testing.assert_close(sent + dev.get("dct").cpu(), due, rtol=1e-5, atol=1e-5 * float(due.abs().max()))
         before = dev.get("dct").cpu().clone()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 3 * 256 + 17, 40 * 256 + 3])
+def test_the_selection_in_slices_matches_c(n, device, monkeypatch):
+    """The chunks' keys are taken a slice at a time (``_SLICE`` entries of whole chunks, so a large
+    shard's int64 temporaries stay small): with slices of 3 chunks, and of part of one (taken as
+    one chunk), the same indices, values, scales and residuals as the C kernels."""
+    for slice_entries in (3 * 256, 100):
+        monkeypatch.setattr(D, "_SLICE", slice_entries)
+        g = _data(n, n + 5)
+        r = (_data(n, n + 6) * 0.3).astype(np.float32)
+        for chunk, k in ((256, 7), (64, 1), (256, 255)):
+            _check(*_run_both(g, r, chunk, k, 2, device), "n=%d chunk=%d k=%d slice=%d" % (n, chunk, k, slice_entries))
