@@ -84,6 +84,23 @@ def test_the_step_is_taken_down_where_the_top_level_would_overflow():
     assert np.isfinite(lo + step * np.float32(127))
 
 
+def _both_routes(comp, name, xs, device, monkeypatch):
+    """Per step, ``comp``'s select of ``xs[step]`` on the host and on the device route (CUDA, or
+    torch operations under STELLA_DEVICE_PATH=torch), each with its own error feedback; yields
+    (step, x, ctx, host selection, device selection, host memory, device memory), the device's
+    selection and residual checked to be on the device."""
+    host, dev = Memory(), Memory()
+    for step, x in enumerate(xs):
+        ctx = TensorContext(name, step, (x.numel(),))
+        monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
+        a = comp.select(x, ctx, host)
+        if device == "cpu":
+            monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
+        b = comp.select(x.to(device), ctx, dev)
+        assert b.values.device.type == device and dev.get(name).device.type == device
+        yield step, x, ctx, a, b, host, dev
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_compressor_selects_on_the_device_route_as_on_the_host(device, monkeypatch):
     """Compression.sparseloco's select over several exchanges (decay 0.95, error feedback): the
@@ -91,16 +108,8 @@ def test_the_compressor_selects_on_the_device_route_as_on_the_host(device, monke
     selections and residuals, and keeps the residual where the tensor is."""
     comp = SparseLoCoCompressor(density=0.01, chunk=1024, bits=2, feedback_decay=0.95)
     n = 3 * 1024 + 77
-    host, dev = Memory(), Memory()
-    for step in range(4):
-        x = torch.from_numpy(_data(n, 50 + step))
-        ctx = TensorContext("slc", step, (n,))
-        monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
-        a = comp.select(x, ctx, host)
-        if device == "cpu":
-            monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
-        b = comp.select(x.to(device), ctx, dev)
-        assert b.values.device.type == device and dev.get("slc").device.type == device
+    xs = [torch.from_numpy(_data(n, 50 + step)) for step in range(4)]
+    for step, x, ctx, a, b, host, dev in _both_routes(comp, "slc", xs, device, monkeypatch):
         assert torch.equal(a.indices, b.indices.cpu())
         _same(a.values, b.values, "values at step %d" % step)
         _same(a.scales, b.scales, "scales at step %d" % step)
@@ -121,17 +130,9 @@ def test_the_dct_compressor_selects_on_the_device_route_as_on_the_host(device, c
     chosen (a near tie may flip a few) and the values and residuals agree to float32 rounding."""
     comp = DCTCompressor(density=1.0 / 16, chunk=chunk, bits=bits)
     n = 5 * chunk * 7 + 13
-    host, dev = Memory(), Memory()
     before = torch.zeros(n)
-    for step in range(4):
-        x = torch.from_numpy(_data(n, 70 + step)) * torch.linspace(0.5, 2.0, n)
-        ctx = TensorContext("dct", step, (n,))
-        monkeypatch.delenv("STELLA_DEVICE_PATH", raising=False)
-        a = comp.select(x, ctx, host)
-        if device == "cpu":
-            monkeypatch.setenv("STELLA_DEVICE_PATH", "torch")
-        b = comp.select(x.to(device), ctx, dev)
-        assert b.values.device.type == device and dev.get("dct").device.type == device
+    xs = [torch.from_numpy(_data(n, 70 + step)) * torch.linspace(0.5, 2.0, n) for step in range(4)]
+    for step, x, ctx, a, b, host, dev in _both_routes(comp, "dct", xs, device, monkeypatch):
         if device == "cpu":
             assert torch.equal(a.indices, b.indices.cpu())
             _same(a.values, b.values, "values at step %d" % step)
