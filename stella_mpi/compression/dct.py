@@ -39,8 +39,8 @@ def dct_basis(chunk, dtype=torch.float32, device="cpu"):
 
 
 def _in_float64(flat):
-    """Whether the forward transform of ``flat`` is the float64 product (off the host)."""
-    return flat.device.type != "cpu"
+    """Whether the forward transform of ``flat`` is the float64 product (a CUDA tensor)."""
+    return flat.device.type == "cuda"
 
 
 def forward(flat, chunk):
@@ -61,11 +61,13 @@ def forward(flat, chunk):
 
 
 def inverse_(flat, chunk):
-    """``flat`` (coefficients, 1-D float32) back to the entries' domain, in place."""
+    """``flat`` (coefficients, 1-D float32) back to the entries' domain, in place (a float64
+    product, in slices of ``_ROWS`` entries)."""
     full = flat.numel() // chunk * chunk
     if full:
-        coef = flat[:full].view(-1, chunk).to(torch.float64)
-        flat[:full].view(-1, chunk).copy_(coef @ dct_basis(chunk, torch.float64, flat.device))
+        rows, basis, step = flat[:full].view(-1, chunk), dct_basis(chunk, torch.float64, flat.device), _ROWS // chunk
+        for r in range(0, rows.shape[0], step):
+            rows[r:r + step].copy_(rows[r:r + step].to(torch.float64) @ basis)
     return flat
 
 

@@ -303,7 +303,8 @@ def ref_dct(x, chunk):
 @pytest.mark.parametrize("chunk", [16, 64, 1024])
 def test_the_devices_float64_transform_in_slices_matches_the_formula(n, chunk, monkeypatch):
     """The forward transform a CUDA tensor takes (a float64 product, in slices of _ROWS
-    entries), run on the host: within float32 rounding of the formula, the tail untouched."""
+    entries), run on the host: within float32 rounding of the formula, the tail untouched; the
+    inverse (sliced alike) gives the entries back."""
     from stella_mpi.compression import dct
     monkeypatch.setattr(dct, "_in_float64", lambda flat: True)
     monkeypatch.setattr(dct, "_ROWS", 3072)   # several slices, the last one short
@@ -311,6 +312,8 @@ def test_the_devices_float64_transform_in_slices_matches_the_formula(n, chunk, m
     coef = dct.forward(torch.from_numpy(x), chunk).numpy()
     np.testing.assert_allclose(coef, ref_dct(x, chunk), rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(x).max(initial=0.0))))
     assert np.array_equal(coef[n // chunk * chunk:], x[n // chunk * chunk:])
+    back = dct.inverse_(torch.from_numpy(coef.copy()), chunk).numpy()   # the inverse, in the same slices
+    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 5])
