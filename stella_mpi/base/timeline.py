@@ -11,7 +11,7 @@ per op, complete events ("X", start and duration in microseconds) for its phases
   ``INTRA_ALLREDUCE``, ``WAN_EXCHANGE`` (dense, with its bytes); on the sparse route ``SELECT``,
   ``ENCODE``, ``WAN_EXCHANGE`` (bytes sent and received), ``DECODE``, ``MERGE``, ``SCATTER``; the
   CPU engine's ``CPU_OPTIMIZER``;
-* with local steps' fragments (one op per fragment's exchange, ``<name>.f<i>``), what the
+* with local steps' fragments (one row per fragment's exchange, ``<name>.f<i>.outer``), what the
   training thread spends on them at a step's end: ``OUTER_LAUNCH`` (the pseudo-gradient taken
   and submitted), ``OUTER_WAIT`` (waiting for it and its post step at the landing) and
   ``OUTER_STEP`` (the outer optimizer's step and the merge into the parameters);

@@ -1003,8 +1003,10 @@ class LocalStepsSync:
 
 
 def _op_name(fragment):
-    """The timeline's op for a fragment's launch and landing: its exchange's collective name."""
-    return getattr(fragment.exchange, "name", None) or "local_steps.f%d" % fragment.index
+    """The timeline's row for a fragment's launch and landing on the training thread: its
+    exchange's collective name and ``.outer`` (the collectives' own phases have the name's row,
+    and spans of two threads on one row would overlap without nesting)."""
+    return "%s.outer" % (getattr(fragment.exchange, "name", None) or "local_steps.f%d" % fragment.index)
 
 
 def _to_cpu(obj):

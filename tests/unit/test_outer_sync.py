@@ -900,9 +900,10 @@ def test_a_cycle_of_the_adjusters_schedule_is_measured_once_per_h_steps(monkeypa
 
 
 def test_the_timeline_shows_each_fragments_launch_wait_and_outer_step(tmp_path):
-    """With HOROVOD_TIMELINE on, every launch and landing of a fragment is a phase of the op
-    named after its exchange: OUTER_LAUNCH, OUTER_WAIT (with whether it had arrived) and
-    OUTER_STEP, once per launch or landing of each cluster."""
+    """With HOROVOD_TIMELINE on, every launch and landing of a fragment is a phase on the row
+    named after its exchange (``.outer``, apart from its collectives' row): OUTER_LAUNCH,
+    OUTER_WAIT (with whether it had arrived) and OUTER_STEP, once per launch or landing of each
+    cluster."""
     import json
     from stella_mpi.base import timeline
     path = tmp_path / "tl.json"
@@ -922,9 +923,9 @@ def test_the_timeline_shows_each_fragments_launch_wait_and_outer_step(tmp_path):
     for f in (0, 1):
         launches = sum(1 for _, what, g in want if what == "launch" and g == f)
         landings = sum(1 for _, what, g in want if what == "land" and g == f)
-        op = "local_steps.f%d" % f
+        op = "local_steps.f%d.outer" % f
         assert len(seen[(op, "OUTER_LAUNCH")]) == 2 * launches and launches > 0
         assert len(seen[(op, "OUTER_WAIT")]) == len(seen[(op, "OUTER_STEP")]) == 2 * landings and landings > 0
         assert all(e["args"]["delay"] == 1 for e in seen[(op, "OUTER_LAUNCH")])
         assert all("arrived" in e["args"] for e in seen[(op, "OUTER_WAIT")])
-    assert {op for op, _ in seen} == {"local_steps.f0", "local_steps.f1"}
+    assert {op for op, _ in seen} == {"local_steps.f0.outer", "local_steps.f1.outer"}
