@@ -18,8 +18,12 @@ c_tests() {
 c_pid=""
 if command -v cmake >/dev/null; then
     mkdir -p build
+    set -m   # (a process group of its own: setup failing or the script interrupted ends it whole)
     c_tests > build/c_tests.log 2>&1 &
     c_pid=$!
+    set +m
+    trap '[ -n "$c_pid" ] && kill -- -"$c_pid" 2>/dev/null; true' EXIT
+    trap 'exit 130' INT TERM
 else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
 fi
@@ -31,7 +35,8 @@ if [ -n "$c_pid" ]; then
         echo "run_tests.sh: the C tests failed (build/c_tests.log)"
         exit 1
     fi
-    grep -E "tests passed|Total Test time" build/c_tests.log
+    c_pid=""
+    grep -E "tests passed|Total Test time" build/c_tests.log || true
 fi
 started=$(date +%s)
 python -m pytest -q -m "not slow" --durations=25 "$@"
