@@ -17,7 +17,8 @@ In one run:
    idle time per step (that wall time minus the time forward and backward alone take, measured
    on the same model and batch without collectives);
 4. the pseudo-gradient compressors' select (SparseLoCo 1 % at 2 bits, DeMo's DCT 1/32 at 4 bits,
-   with error feedback) of a CUDA tensor on the device route against the host route the same
+   with error feedback) of a CUDA tensor, its selection copied to the host as the exchange
+   does, on the device route against the host route the same
    compressor takes with ``selects_on_device`` off (the copy to the host, the transform and the
    C kernels), on the same tensor, 1M to 64M elements.
 
@@ -76,6 +77,7 @@ def selection_throughput(device, sizes, density=0.01, reps=5):
 
 def pseudo_selection(device, sizes, reps=3):
     """Part 4: the compressor's select on the device route against the host route, per size."""
+    from stella_mpi.comm.sparse_exchange import _to_host
     from stella_mpi.compression import Memory, TensorContext
     from stella_mpi.compression.dct import DCTCompressor
     from stella_mpi.compression.sparseloco import SparseLoCoCompressor
@@ -90,7 +92,8 @@ def pseudo_selection(device, sizes, reps=3):
                 comp, memory = make(), Memory()
                 comp.selects_on_device = route == "device"
                 ctx = TensorContext("bench.%s" % name, 0, (n,))
-                timed[route] = _timed(lambda: comp.select(g, ctx, memory), device, reps)
+                # (the selection copied to the host, as the exchange does, on both routes)
+                timed[route] = _timed(lambda: _to_host(comp.select(g, ctx, memory)), device, reps)
             rows.append({"n": n, "compressor": name, "device_route_s": timed["device"], "host_route_s": timed["host"],
                          "device_vs_host": timed["device"] / timed["host"]})
             print("pseudo-gradient select %-10s n=%-9d device route %.2f ms  host route %.2f ms (x%.3f)"
