@@ -76,11 +76,14 @@ The schedule of local steps (``schedules``: where every cluster has one rank, op
 Streaming DiLoCo's schedules, the model in F fragments exchanged in turn, each in flight for a
 delay of inner steps::
 
-    blocked(H, F, delay) = cpu + max(0, wire + (F - 1) * latency - F * delay * step)
+    blocked(H, F, 0) = cpu + wire + (F - 1) * latency
+    blocked(H, F, delay) = max(0, cpu + wire + (F - 1) * latency - F * delay * step)
     local_shape(H, delay) = (1 - 1/C) * sqrt((H - 1) / 2 + delay)
 
-with the delay the fewest steps that hide one fragment's whole exchange, its encoding and
-decoding included (they run on the collective thread beside the steps; :func:`delay_for`), below H/F,
+(a delayed exchange's encoding and decoding run on the collective thread beside the steps, so
+its delay hides them as it hides the wire; what they slow the steps by is measured and charged
+as the schedule's overhead, below), with the delay the fewest steps that hide one fragment's
+whole exchange (:func:`delay_for`), below H/F,
 and H per F the smallest on the ladder that fits the budget. Local steps start with the
 whole-model blocking exchange; a schedule is taken from a measured phase, as a rung is (its
 kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
@@ -147,14 +150,16 @@ BLOCKING = Schedule()
 
 
 def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, every, schedule):
-    """Seconds a period of H = ``every`` steps blocks on its exchanges under ``schedule``: the
-    encoding and decoding (``cpu_s``, the whole model's, whichever the cut) and what the wire
-    (``wire_s``, the whole model's, plus ``latency_s`` for each further fragment) does not hide
-    behind the ``fragments * delay`` inner steps it runs beside."""
-    wire = wire_s + (schedule.fragments - 1) * latency_s
+    """Seconds a period of H = ``every`` steps blocks on its exchanges under ``schedule``: without
+    a delay, the encoding and decoding (``cpu_s``, the whole model's, whichever the cut) and the
+    wire (``wire_s``, the whole model's, plus ``latency_s`` for each further fragment); with one,
+    what of both the ``fragments * delay`` inner steps they run beside do not hide (they run on
+    the collective thread: on an H200 a delay covering both left 0.7-1.2 ms of wait per landing,
+    docs/guides/local-steps.md)."""
+    exchange = cpu_s + wire_s + (schedule.fragments - 1) * latency_s
     if schedule.delay == 0:
-        return cpu_s + wire
-    return cpu_s + max(0.0, wire - schedule.hide * step_s)
+        return exchange
+    return max(0.0, exchange - schedule.hide * step_s)
 
 
 def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s, cpu_s=0.0):

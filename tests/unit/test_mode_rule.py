@@ -333,11 +333,13 @@ def test_a_rule_needs_a_pseudo_rung():
 def test_a_schedule_blocks_on_what_its_delay_does_not_hide():
     # 120 ms of wire, 20 ms of encoding, 1 ms latency, 30 ms steps
     assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, BLOCKING) == pytest.approx(0.140)
-    # one fragment in flight for 2 steps hides 60 ms of it
+    # one fragment in flight for 2 steps hides 60 ms of the 140
     assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(1, 2)) == pytest.approx(0.080)
-    # 4 fragments of 1 step each hide 4 x 30 ms, and pay the latency 3 more times
+    # 4 fragments of 1 step each hide 4 x 30 ms of 143 (the latency paid 3 more times)
     assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(4, 1)) == pytest.approx(0.023)
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(2, 3)) == pytest.approx(0.020)
+    # 2 fragments of 3 steps hide 180 ms: the wire and the encoding and decoding beside it
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(2, 3)) == pytest.approx(0.0)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.020, 8, Schedule(2, 3)) == pytest.approx(0.021)
     # the delay that hides one fragment's wire, at least 1, below H/F and at most max_delay
     assert delay_for(16, 1, 8, 0.120, 0.001, 0.030) == 4
     assert delay_for(16, 4, 8, 0.120, 0.001, 0.030) == 2     # 123 ms / 4 = 31 ms: just over a step
