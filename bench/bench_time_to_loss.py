@@ -149,7 +149,8 @@ def run_one(rate, mode, args, tmp):
         print("  %s %s ... skipped: torchft is not installed (bench/requirements.txt says how)" % (rate, mode))
         return {"error": "torchft is not installed"}
     script = "torchft_peer.py" if mode in TORCHFT else "e2e_train.py"
-    layout = ["--clusters", "1"] if mode in NO_WAN else ["--clusters", "2", "--wan", rate]
+    layout = ["--clusters", "1"] if mode in NO_WAN else ["--clusters", "2", "--wan", rate] + \
+        (["--wan-delay", args.wan_delay] if args.wan_delay else [])
     # the limit trains for --limit-seconds (half the budget by default), so that a WAN penalty up
     # to seconds / limit-seconds is measured within the other runs' budget
     budget = (args.limit_seconds or args.seconds / 2) if mode in NO_WAN else args.seconds
@@ -395,6 +396,9 @@ def main():
     p.add_argument("--limit-seconds", type=float, default=0.0,
                    help="training wall-clock of the limit and compute runs (0: half of --seconds, so that a WAN "
                         "penalty up to 2 is measured)")
+    p.add_argument("--wan-delay", default="",
+                   help="one-way delay on the emulated link (stellarun --wan-delay, e.g. 25ms; default none: the "
+                        "namespaces' 0.3 ms)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--compressor", default="cacheaware")
