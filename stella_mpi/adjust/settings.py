@@ -7,6 +7,15 @@ from typing import Optional, Tuple
 MODES = ("sync", "local")   # the routes Adjuster(modes=...) moves between (adjust/mode_rule.py)
 
 
+def _ladder(values, lo, hi, empty_ok, what):
+    """``values`` sorted into a tuple: distinct ints (not bools) in [lo, hi] (hi None: no bound),
+    at least one unless ``empty_ok``; else ValueError "Adjuster: <what>, got <values>"."""
+    if not isinstance(values, (tuple, list)) or (not values and not empty_ok) or len(set(values)) != len(values) or \
+            any(isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi) for v in values):
+        raise ValueError("Adjuster: %s, got %r" % (what, values))
+    return tuple(sorted(values))
+
+
 @dataclass(frozen=True)
 class AdjusterSettings:
     """What the user asks of the adjuster, passed to DistributedOptimizer (public name
@@ -54,7 +63,7 @@ class AdjusterSettings:
     fragments, max_delay: with ``modes`` (or on the automatic route), the schedules the adjuster
         chooses between for each phase of local steps, with H and the rung, by the time-to-loss
         objective (:mod:`.mode_rule`): the model in F fragments (F from ``fragments``) exchanged in
-        turn, each in flight for the fewest inner steps that hide its wire (at most
+        turn, each in flight for the fewest inner steps that hide its exchange (at most
         ``max_delay``), its landing keeping the cluster's progress meanwhile (``LocalSteps(mix=
         "progress")``); or the whole model exchanged blocking. ``max_delay=0``: blocking only.
         Not with ``LocalSteps(overlap=True)`` or ``pace="time"`` (they are schedules of their own).
@@ -101,20 +110,14 @@ class AdjusterSettings:
             raise ValueError("Adjuster: hysteresis must be in [0, 0.5), got %r" % self.hysteresis)
         if int(self.levels_per_decade) < 1:
             raise ValueError("Adjuster: levels_per_decade must be >= 1")
-        bits = self.thc_bits
-        if not isinstance(bits, (tuple, list)) or any(isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8
-                                                      for b in bits) or len(set(bits)) != len(bits):
-            raise ValueError("Adjuster: thc_bits must be distinct integers in [2, 8] (THC rungs), got %r" % (bits,))
-        object.__setattr__(self, "thc_bits", tuple(sorted(bits)))
+        object.__setattr__(self, "thc_bits", _ladder(self.thc_bits, 2, 8, True, "thc_bits must be distinct integers "
+                                                                              "in [2, 8] (THC rungs)"))
         if self.thc_bits and self.objective != "time_to_loss":
             raise ValueError("Adjuster: thc_bits needs objective='time_to_loss': the step-time objective relies on "
                              "payloads growing along the ladder, and a THC rung sends fewer bytes than the densest "
                              "sparse rungs below it")
-        hs = self.local_steps
-        if not isinstance(hs, (tuple, list)) or not hs or any(isinstance(h, bool) or not isinstance(h, int) or h < 1
-                                                             for h in hs) or len(set(hs)) != len(hs):
-            raise ValueError("Adjuster: local_steps must be distinct integers >= 1 (the ladder of H), got %r" % (hs,))
-        object.__setattr__(self, "local_steps", tuple(sorted(hs)))
+        object.__setattr__(self, "local_steps", _ladder(self.local_steps, 1, None, False, "local_steps must be distinct "
+                                                                                          "integers >= 1 (the ladder of H)"))
         if not isinstance(self.modes, (tuple, list)) or tuple(sorted(self.modes)) not in ((), tuple(sorted(MODES))):
             raise ValueError("Adjuster: modes must be () or %r, got %r" % (MODES, self.modes))
         object.__setattr__(self, "modes", MODES if self.modes else ())
@@ -122,12 +125,9 @@ class AdjusterSettings:
             raise ValueError("Adjuster: modes=%r compares the modes by the time-to-loss objective; "
                              "pass objective='time_to_loss'" % (MODES,))
         object.__setattr__(self, "pseudo_rungs", _checked_pseudo_rungs(self.pseudo_rungs))
-        fs = self.fragments
-        if not isinstance(fs, (tuple, list)) or not fs or any(isinstance(f, bool) or not isinstance(f, int) or f < 1
-                                                             for f in fs) or len(set(fs)) != len(fs):
-            raise ValueError("Adjuster: fragments must be distinct integers >= 1 (the ladder of F, the parts of the "
-                             "model exchanged in turn), got %r" % (fs,))
-        object.__setattr__(self, "fragments", tuple(sorted(fs)))
+        object.__setattr__(self, "fragments", _ladder(self.fragments, 1, None, False, "fragments must be distinct "
+                                                      "integers >= 1 (the ladder of F, the parts of the model exchanged "
+                                                      "in turn)"))
         if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:
             raise ValueError("Adjuster: max_delay must be an int >= 0 (inner steps an exchange may stay in flight; 0: "
                              "blocking exchanges only), got %r" % (self.max_delay,))
