@@ -149,8 +149,8 @@ class Schedule:
 BLOCKING = Schedule()
 
 
-def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, every, schedule):
-    """Seconds a period of H = ``every`` steps blocks on its exchanges under ``schedule``: without
+def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, schedule):
+    """Seconds a period of H steps blocks on its exchanges under ``schedule``: without
     a delay, the encoding and decoding (``cpu_s``, the whole model's, whichever the cut) and the
     wire (``wire_s``, the whole model's, plus ``latency_s`` for each further fragment); with one,
     what of both the ``fragments * delay`` inner steps they run beside do not hide (they run on
@@ -296,7 +296,7 @@ class ModeRule:
             chosen = None
             for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
                 sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s))
-                blocked = scheduled_exchange(cpu_s, wire_s, latency, step, h, sched) + f * per_landing
+                blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched) + f * per_landing
                 chosen = (h, sched, blocked)
                 if blocked / h <= allowed:
                     break
@@ -380,8 +380,8 @@ class ModeRule:
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
         overhead = None   # (seconds blocked per landing, seconds per step)
         if streaming:   # beyond the model: blocked longer, and the steps slower than the blocking schedule's
-            overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, every,
-                                                                 schedule)) / schedule.fragments,
+            overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, schedule))
+                        / schedule.fragments,
                         max(0.0, step_s - base))
             self.overheads[schedule.kind] = overhead
         others = []

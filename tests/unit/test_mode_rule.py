@@ -332,14 +332,14 @@ def test_a_rule_needs_a_pseudo_rung():
 
 def test_a_schedule_blocks_on_what_its_delay_does_not_hide():
     # 120 ms of wire, 20 ms of encoding, 1 ms latency, 30 ms steps
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, BLOCKING) == pytest.approx(0.140)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, BLOCKING) == pytest.approx(0.140)
     # one fragment in flight for 2 steps hides 60 ms of the 140
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(1, 2)) == pytest.approx(0.080)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, Schedule(1, 2)) == pytest.approx(0.080)
     # 4 fragments of 1 step each hide 4 x 30 ms of 143 (the latency paid 3 more times)
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(4, 1)) == pytest.approx(0.023)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, Schedule(4, 1)) == pytest.approx(0.023)
     # 2 fragments of 3 steps hide 180 ms: the wire and the encoding and decoding beside it
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, 8, Schedule(2, 3)) == pytest.approx(0.0)
-    assert scheduled_exchange(0.020, 0.120, 0.001, 0.020, 8, Schedule(2, 3)) == pytest.approx(0.021)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.030, Schedule(2, 3)) == pytest.approx(0.0)
+    assert scheduled_exchange(0.020, 0.120, 0.001, 0.020, Schedule(2, 3)) == pytest.approx(0.021)
     # the delay that hides one fragment's wire, at least 1, below H/F and at most max_delay
     assert delay_for(16, 1, 8, 0.120, 0.001, 0.030) == 4
     assert delay_for(16, 4, 8, 0.120, 0.001, 0.030) == 2     # 123 ms / 4 = 31 ms: just over a step
@@ -421,6 +421,11 @@ def test_the_schedule_settings_are_validated():
     for bad in ((), (0,), (1, 1), (True,), (1.5,), "4"):
         with pytest.raises(ValueError, match="fragments must be distinct integers >= 1"):
             Adjuster(fragments=bad)
+    # (the ladders share one check: THC's bits are the bounded one, and may be empty)
+    for bad in ((1,), (9,), (4, 4), (True,), "4"):
+        with pytest.raises(ValueError, match=r"thc_bits must be distinct integers in \[2, 8\]"):
+            Adjuster(thc_bits=bad)
+    assert Adjuster(thc_bits=(8, 2)).thc_bits == (2, 8)
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="max_delay must be an int >= 0"):
             Adjuster(max_delay=bad)
