@@ -416,8 +416,8 @@ class LocalStepsSync:
 
     def replan(self, every, fragments, delay):
         """The adjuster's schedule for the next phase: H = ``every``, F = ``fragments`` (the
-        balanced cut), ``delay``; the exchange in flight completed and forgotten. Where F changes
-        the model is cut anew and each fragment's outer optimizer is new (``opt.outer_optimizers``
+        balanced cut), ``delay``; the exchange in flight completed and forgotten. Where F or the
+        delay changes the model is cut anew and each fragment's outer optimizer is new (``opt.outer_optimizers``
         then names other objects: a learning-rate scheduler built over the old ones no longer
         steers them); otherwise the outer optimizers are kept. A fragment's collectives are
         named ``<name>.f<index>of<F>``, so what a schedule's residuals did not send waits for the
@@ -682,7 +682,7 @@ class LocalStepsSync:
         self.in_sync = False
         if self.pending is not None:
             self.pending.left -= 1
-            if self.pending.arrived is None:
+            if self.schedules_chosen and self.pending.arrived is None:   # (the cycle's wire: _measure_cycle)
                 self.pending.arrived = self._arrived(self.pending)
         slot = p.every // len(self.fragments)
         if p.local_steps % slot == 0:
@@ -939,7 +939,7 @@ class LocalStepsSync:
 
     def _check_fragments(self, sd, cut):
         outer = sd.get("outer")
-        saved = sd.get("fragments", len(outer) if isinstance(outer, list) else 1)
+        saved = saved_fragments(sd)
         count = len(cut)
         if saved != count:
             raise ValueError("LocalSteps state: the checkpoint was saved with fragments=%r, this optimizer has "
@@ -1000,6 +1000,13 @@ class LocalStepsSync:
         first.outer.state.clear()
         for n, t in (sd.get("momentum") or {}).items():
             first.outer.state[params[n]]["momentum_buffer"] = t.detach().to(params[n].device, params[n].dtype).clone()
+
+
+def saved_fragments(sd):
+    """F of a local-steps state ``sd``: its ``fragments``, else its list of outer states' length
+    (the layout before fragments were saved), else 1."""
+    outer = sd.get("outer")
+    return sd.get("fragments", len(outer) if isinstance(outer, list) else 1)
 
 
 def _op_name(fragment):

@@ -56,7 +56,7 @@ from .agreement import check_agreement
 from .buckets import plan_pseudo_gradient_buckets
 from .clusters import cluster_process_set
 from .outer_channel import OuterChannel
-from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync
+from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
 from .routes.adasum import AdasumRoute
 from .routes.cpu_engine import CpuEngineRoute
 from .routes.sync import ENTRY_BYTES, DenseRoute, SparseRoute, THCRoute
@@ -620,12 +620,11 @@ class ModeSwitch:
             self.local.sync_clusters()
             self.local.restart(every, (sched.fragments, sched.delay))
             self._use_rung()
-            self._record("local")
-            return
-        self._use_rung()
-        self.local.progress.every = every
-        if self.local.rule is not None:
-            self.local.rule.restart(every)
+        else:
+            self._use_rung()
+            self.local.progress.every = every
+            if self.local.rule is not None:
+                self.local.rule.restart(every)
         self._record("local")
 
     def _use_rung(self):
@@ -716,8 +715,7 @@ class ModeSwitch:
         fragments; ValueError naming a schedule that does not fit this optimizer."""
         if not self.local.schedules_chosen or not isinstance(saved, dict):
             return None, None
-        outer = saved.get("outer")
-        fragments = saved.get("fragments", len(outer) if isinstance(outer, list) else 1)
+        fragments = saved_fragments(saved)
         delay, every = saved.get("delay", 0), saved.get("every", self.local.every)
         if (every, fragments, delay) == (self.local.every,) + self.local.schedule:
             return None, None
@@ -746,12 +744,17 @@ class ModeSwitch:
 
         def take():
             self.local.drop_in_flight()
-            if schedule is not None:   # (checked above: a refused checkpoint changes nothing)
-                self.local.replan(*schedule)
-            if saved is not None:
-                self.local.load_state_dict(saved)
+            if saved is not None:   # (checked above: a refused checkpoint changes nothing)
+                self._load_local(saved, schedule)
             self._take_mode(mode, estimate, pseudo)
         return take
+
+    def _load_local(self, saved, schedule):
+        """Local steps take the state ``saved``, replanned first to its ``schedule`` (H, F, delay)
+        where :meth:`_saved_schedule` found one."""
+        if schedule is not None:
+            self.local.replan(*schedule)
+        self.local.load_state_dict(saved)
 
     def _take_mode(self, mode, estimate, pseudo=None):
         if self.session is None:
@@ -769,10 +772,7 @@ class ModeSwitch:
         self.local.drop_in_flight()
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         theirs = broadcast_object(mine, root_rank, name="local_steps.state")
-        schedule, _ = self._saved_schedule(theirs)
-        if schedule is not None:
-            self.local.replan(*schedule)
-        self.local.load_state_dict(theirs)
+        self._load_local(theirs, self._saved_schedule(theirs)[0])
         self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
                                                        root_rank, name="mode_switch.mode"),
                                       self.rung_names))
