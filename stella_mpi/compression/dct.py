@@ -53,7 +53,7 @@ def forward(flat, chunk):
         if not _in_float64(flat):
             torch.matmul(rows, dct_basis(chunk, flat.dtype).t(), out=out[:full].view(-1, chunk))
         else:   # in slices, so the float64 copy stays small whatever the tensor
-            basis, dst, step = dct_basis(chunk, torch.float64, flat.device).t(), out[:full].view(-1, chunk), _ROWS // chunk
+            basis, dst, step = dct_basis(chunk, torch.float64, flat.device).t(), out[:full].view(-1, chunk), max(1, _ROWS // chunk)
             for r in range(0, rows.shape[0], step):
                 dst[r:r + step].copy_(rows[r:r + step].to(torch.float64) @ basis)
     out[full:] = flat[full:]
@@ -65,7 +65,7 @@ def inverse_(flat, chunk):
     product, in slices of ``_ROWS`` entries)."""
     full = flat.numel() // chunk * chunk
     if full:
-        rows, basis, step = flat[:full].view(-1, chunk), dct_basis(chunk, torch.float64, flat.device), _ROWS // chunk
+        rows, basis, step = flat[:full].view(-1, chunk), dct_basis(chunk, torch.float64, flat.device), max(1, _ROWS // chunk)
         for r in range(0, rows.shape[0], step):
             rows[r:r + step].copy_(rows[r:r + step].to(torch.float64) @ basis)
     return flat

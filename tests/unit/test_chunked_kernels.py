@@ -301,28 +301,21 @@ def ref_dct(x, chunk):
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 5])
 @pytest.mark.parametrize("chunk", [16, 64, 1024])
-def test_the_devices_float64_transform_in_slices_matches_the_formula(n, chunk, monkeypatch):
-    """The forward transform a CUDA tensor takes (a float64 product, in slices of _ROWS
-    entries), run on the host: within float32 rounding of the formula, the tail untouched; the
-    inverse (sliced alike) gives the entries back."""
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_dct_matches_the_formula_and_inverts(n, chunk, path, monkeypatch):
+    """The forward transform against the formula, the inverse giving the entries back, the tail
+    untouched. "device": the path a CUDA tensor takes (a float64 product, in slices of _ROWS
+    entries, several here, the last one short), run on the host: within float32 rounding."""
     from stella_mpi.compression import dct
-    monkeypatch.setattr(dct, "_in_float64", lambda flat: True)
-    monkeypatch.setattr(dct, "_ROWS", 3072)   # several slices, the last one short
     x = _data(n, n + chunk)
+    rtol = atol = 1e-4
+    if path == "device":
+        monkeypatch.setattr(dct, "_in_float64", lambda flat: True)
+        monkeypatch.setattr(dct, "_ROWS", 3072)
+        rtol, atol = 1e-6, 1e-6 * max(1.0, float(np.abs(x).max(initial=0.0)))
     coef = dct.forward(torch.from_numpy(x), chunk).numpy()
-    np.testing.assert_allclose(coef, ref_dct(x, chunk), rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(x).max(initial=0.0))))
-    assert np.array_equal(coef[n // chunk * chunk:], x[n // chunk * chunk:])
-    back = dct.inverse_(torch.from_numpy(coef.copy()), chunk).numpy()   # the inverse, in the same slices
-    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 5])
-@pytest.mark.parametrize("chunk", [16, 64, 1024])
-def test_dct_matches_the_formula_and_inverts(n, chunk):
-    from stella_mpi.compression.dct import forward, inverse_
-    x = _data(n, n + chunk)
-    coef = forward(torch.from_numpy(x), chunk)
-    np.testing.assert_allclose(coef.numpy(), ref_dct(x, chunk), rtol=1e-4, atol=1e-4)
-    back = inverse_(coef.clone(), chunk)
-    np.testing.assert_allclose(back.numpy(), x, rtol=1e-4, atol=1e-5)
-    assert np.array_equal(back.numpy()[n // chunk * chunk:], x[n // chunk * chunk:])   # the tail is untouched
+    np.testing.assert_allclose(coef, ref_dct(x, chunk), rtol=rtol, atol=atol)
+    back = dct.inverse_(torch.from_numpy(coef.copy()), chunk).numpy()
+    np.testing.assert_allclose(back, x, rtol=1e-5 if path == "device" else 1e-4, atol=1e-5)
+    assert np.array_equal(coef[n // chunk * chunk:], x[n // chunk * chunk:])   # the tail is untouched
+    assert np.array_equal(back[n // chunk * chunk:], x[n // chunk * chunk:])
