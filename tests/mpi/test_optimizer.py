@@ -807,7 +807,7 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     tiny = torch.nn.Linear(4, 2)
     assert _switching(tiny, hvd.Compression.fp16)._tuner.rule.settings.fragments == (1, 2)
     assert all(sched == Schedule(2, 1) for sched, _, _ in seen) and any(apart for _, _, apart in seen), seen
-    assert [f.names for f in tuner.local.fragments] and len(tuner.local.fragments) == 2
+    assert len(tuner.local.fragments) == 2
     assert tuner.local.settings.mix == "progress"
     assert any("2 fragments, delay 1" in why for _, _, why in tuner.votes), list(tuner.votes)
     everyone = hvd.allgather_object([(s, m) for s, m, _ in opt.mode_switches])

@@ -706,6 +706,8 @@ def test_fragment_settings_are_checked_where_they_are_given():
     assert sync.rule is None and [len(c) for c in calls] == [1, 3]
     assert LocalSteps(every=4, fragments=2, fragment_groups=[["0.weight"], ["0.bias"]]).fragment_groups == \
         (("0.weight",), ("0.bias",))
+    # overlap keeps the progress since the launch by itself: mix "progress" says the same, and is taken
+    assert LocalSteps(every=4, overlap=True, mix="progress").mix == "progress"
 
 
 def test_sync_clusters_takes_the_exchange_whole_whatever_mix():
@@ -854,10 +856,13 @@ def test_a_new_phase_runs_the_schedule_it_is_given_and_back():
     assert [f.names for f in sync.fragments] == CUTS[2] and before not in sync.outers
     assert all(torch.equal(sync.anchor[n], p) for n, p in two.models[0].named_parameters())
     two.events = [[], []]
+    anchored = sync.anchor["2.weight"].clone()
     two.train(8, start=4)
     assert two.events[0] == [(7, "launch", 1), (8, "land", 1), (11, "launch", 0)]
     assert two.events[0] == two.events[1]
-    # the fragment that landed: its anchor moved by the mean of both clusters' deltas
+    # the fragment that landed: its anchor moved (by the mean of both clusters' deltas), and the
+    # parameters trained on from it
+    assert not torch.equal(sync.anchor["2.weight"], anchored)
     assert not torch.equal(sync.anchor["2.weight"], sync.fragments[1].named[1][1].detach())
     _restart_both(two, 4, (1, 0))   # (the flight of fragment 0 dropped: a phase starts from the parameters)
     assert sync.schedule == (1, 0) and not sync.streaming and len(sync.outers) == 1
