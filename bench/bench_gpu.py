@@ -76,7 +76,9 @@ def selection_throughput(device, sizes, density=0.01, reps=5):
 
 
 def pseudo_selection(device, sizes, reps=3):
-    """Part 4: the compressor's select on the device route against the host route, per size."""
+    """Part 4: the compressor's select on the device route against the host route, per size
+    (on the CPU the device route is its torch-op code under STELLA_DEVICE_PATH=torch: a smoke run,
+    not a device's figure)."""
     from stella_mpi.comm.sparse_exchange import _to_host
     from stella_mpi.compression import Memory, TensorContext
     from stella_mpi.compression.dct import DCTCompressor
@@ -92,8 +94,16 @@ def pseudo_selection(device, sizes, reps=3):
                 comp, memory = make(), Memory()
                 comp.selects_on_device = route == "device"
                 ctx = TensorContext("bench.%s" % name, 0, (n,))
-                # (the selection copied to the host, as the exchange does, on both routes)
-                timed[route] = _timed(lambda: _to_host(comp.select(g, ctx, memory)), device, reps)
+                was = os.environ.get("STELLA_DEVICE_PATH")
+                if device.type == "cpu":
+                    os.environ["STELLA_DEVICE_PATH"] = "torch" if route == "device" else ""
+                try:   # (the selection copied to the host, as the exchange does, on both routes)
+                    timed[route] = _timed(lambda: _to_host(comp.select(g, ctx, memory)), device, reps)
+                finally:
+                    if was is None:
+                        os.environ.pop("STELLA_DEVICE_PATH", None)
+                    else:
+                        os.environ["STELLA_DEVICE_PATH"] = was
             rows.append({"n": n, "compressor": name, "device_route_s": timed["device"], "host_route_s": timed["host"],
                          "device_vs_host": timed["device"] / timed["host"]})
             print("pseudo-gradient select %-10s n=%-9d device route %.2f ms  host route %.2f ms (x%.3f)"
