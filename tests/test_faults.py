@@ -66,6 +66,31 @@ def test_stalled_rank_hits_the_deadline():
     assert "ending the job on every rank" in out
 
 
+def test_a_rank_that_stalls_in_an_inner_step_is_named_by_its_cluster():
+    """Local steps' inner steps reduce on the cluster's channel, off the negotiation: a rank that
+    never comes still ends the job at the deadline, named by its cluster's other rank."""
+    proc, elapsed = _launch("stall_in_inner_step", timeout_env="8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert re.search(r"rank 0: the cluster's allreduce .* did not complete within 8 s", out), out[-3000:]
+    assert re.search(r"rank 1 \(host [^,]+, pid \d+\)", out), out[-3000:]
+    assert "finished without noticing" not in out
+
+
+def test_a_rank_that_joins_during_inner_steps_ends_the_job_naming_it():
+    """hvd.join() on rank 1 while rank 0, of its cluster, waits for its inner step's gradients:
+    the job ends as soon as the negotiation says rank 1 joined (well before the 60 s deadline),
+    naming it and what to do instead."""
+    proc, elapsed = _launch("join_in_inner_steps")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, elapsed
+    assert "rank 1 of this cluster called hvd.join()" in out, out[-3000:]
+    assert "STELLA_CLUSTER_CHANNEL=0" in out
+    assert "finished without noticing" not in out
+
+
 def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     """mpi4py's pickle-based comm.allreduce (comm.gather, comm.reduce) holds Python's GIL while it
     waits for the other ranks, so stella_mpi's collective thread on that rank cannot run and its

@@ -39,8 +39,9 @@ LAYOUTS = [
     # default ("auto") in np2-one-cluster (the dense suites) and np4-2x2-device-path (2 x 2)
     pytest.param("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),
-    # Streaming DiLoCo's fragments on two clusters of two ranks
-    ("np4-2x2-fragments", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST[:7] + [FRAGMENTS]),
+    # Streaming DiLoCo's fragments, and the inner steps' channel, on two clusters of two ranks
+    ("np4-2x2-fragments", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"},
+     PYTEST[:7] + [FRAGMENTS, "tests/mpi/test_local_steps_channel.py"]),
     # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
     # and CPU-engine check of the host route must hold on it too
     ("np4-2x2-device-path", 4, {"STELLA_CLUSTERS": "2", "STELLA_DEVICE_PATH": "torch"},

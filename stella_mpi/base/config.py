@@ -88,6 +88,7 @@ class Config:
     timeline_mark_cycles: bool = False   # HOROVOD_TIMELINE_MARK_CYCLES
     timeline_max_bytes: int = 1 << 30    # STELLA_TIMELINE_MAX_MB: the file's cap
     nccl: str = "auto"             # STELLA_NCCL: "auto" (NCCL for CUDA tensors where every cluster rank has its GPU) or "off"
+    cluster_channel: bool = True   # STELLA_CLUSTER_CHANNEL: local steps' inner steps reduce off the negotiation
 
     @classmethod
     def from_env(cls):
@@ -119,6 +120,7 @@ class Config:
             _non_negative("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0),
             stall_shutdown_s=_non_negative("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             nccl=_choice("STELLA_NCCL", "auto", ("auto", "off")),
+            cluster_channel=_env(["STELLA_CLUSTER_CHANNEL"], True, _bool),
             timeline=_env(["HOROVOD_TIMELINE"], "", str),
             timeline_mark_cycles=_env(["HOROVOD_TIMELINE_MARK_CYCLES"], False, _bool),
             timeline_max_bytes=int(_non_negative("STELLA_TIMELINE_MAX_MB", 1024) * (1 << 20)),

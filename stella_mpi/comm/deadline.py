@@ -57,13 +57,15 @@ class Deadline:
             return StellaTimeoutError("%s; a peer has stalled, died or is running a different collective (the "
                                       "ranks could not be asked: %s)" % (head, e))
 
-    def wait(self, req, what, patient=None):
-        self.wait_all([req], what, patient)
+    def wait(self, req, what, patient=None, watch=None):
+        self.wait_all([req], what, patient, watch)
 
-    def wait_all(self, reqs, what, patient=None):
+    def wait_all(self, reqs, what, patient=None, watch=None):
         """``patient``: nobody waits on this result soon (an idle negotiation round): a function
         that says when that changes. Until it does, poll with naps instead of yielding in a
-        loop, so that a rank with nothing to do leaves the cores to the ranks that compute."""
+        loop, so that a rank with nothing to do leaves the cores to the ranks that compute.
+        ``watch()``: called now and then while the wait lasts (it may end the job: a peer is
+        known never to come)."""
         reqs = [r for r in reqs if r is not None]
         if not reqs:
             return
@@ -79,6 +81,8 @@ class Deadline:
                 raise self._expired(what)
             if elapsed > 0.5:
                 diagnosis.serve(what)
+            if watch is not None:
+                watch()
 
         if patient is not None:
             doze = _MAX_SLEEP

@@ -120,8 +120,8 @@ def compose(opt):
     if spec.local_steps is not None and not spec.modes:
         rule = LocalStepsRule(spec.adjuster, spec.local_steps.every) if spec.adjuster is not None else None
         pseudo = spec.local_steps.compression if spec.local_steps.compression is not None else spec.compression
-        opt._install(DenseRoute(opt, cluster_process_set(), kind="cluster"),
-                     local_steps_sync(opt, spec.local_steps, pseudo, rule))
+        route = DenseRoute(opt, cluster_process_set(), kind="cluster")
+        opt._install(route, local_steps_sync(opt, spec.local_steps, pseudo, route.channel, rule))
         return
     if kind == "auto" or spec.modes:
         ModeSwitch.build(opt)
@@ -258,9 +258,10 @@ def nonfinite_state_dropper(opt):
     return drop
 
 
-def local_steps_sync(opt, settings, pseudo, rule=None):
+def local_steps_sync(opt, settings, pseudo, cluster_channel, rule=None):
     """The LocalStepsSync of ``opt`` (its exchange through ``pseudo``, its channel with overlap,
-    the all-gather of period times for ``rule``)."""
+    the all-gather of period times for ``rule``); ``cluster_channel``: the ClusterChannel of its
+    cluster route, or None, where pace "time" agrees the end of a period."""
     name = "local_steps.%d.delta" % next(_exchanges)
     named = [(opt._names[p], p) for p in opt._params]
     return LocalStepsSync(settings, named, pseudo_gradient_exchange(pseudo, name),
@@ -268,17 +269,19 @@ def local_steps_sync(opt, settings, pseudo, rule=None):
                           gather=lambda row: allgather(row, name=name + ".times"),
                           cluster_id=global_process_set.topology.cluster_id,
                           drop_nonfinite_state=nonfinite_state_dropper(opt),
-                          cluster_any=cluster_any(name) if settings.pace == "time" else None,
+                          cluster_any=cluster_any(name, cluster_channel) if settings.pace == "time" else None,
                           clusters=global_process_set.topology.num_clusters)
 
 
-def cluster_any(name):
+def cluster_any(name, channel=None):
     """flag -> whether any rank of this rank's cluster passed True (one small MAX allreduce
-    inside the cluster; every rank of it calls it at the same step): pace "time"'s end of a
-    period, agreed inside each cluster."""
+    inside the cluster, on ``channel`` (a ClusterChannel) when there is one; every rank of it
+    calls it at the same step): pace "time"'s end of a period, agreed inside each cluster."""
     topo = global_process_set.topology
     if topo.cluster_size == 1:
         return lambda flag: bool(flag)
+    if channel is not None:
+        return channel.any
     pset = cluster_process_set()
 
     def any_(flag):
@@ -434,9 +437,10 @@ class ModeSwitch:
     over: what was not sent is sent when the route is back.
     """
 
-    def __init__(self, opt, sync_route, session, local, rungs, adjuster, probe=None, rung_outers=None):
+    def __init__(self, opt, sync_route, cluster_route, session, local, rungs, adjuster, probe=None, rung_outers=None):
         self.opt = opt
         self.sync_route = sync_route
+        self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster")
         self.session = session
         self.local = local
         self.rungs = tuple(rungs)     # the pseudo-gradient's compressions (one when it is not chosen)
@@ -446,7 +450,6 @@ class ModeSwitch:
         self.reason = None
         self.votes = collections.deque(maxlen=KEEP_WINDOWS)   # every mode decision: (step, mode, reason)
         self.rule = None
-        self.cluster_route = DenseRoute(opt, cluster_process_set(), kind="cluster")
         if session is not None:
             ctrl = session.controller
             nclusters = opt._spec.clusters
@@ -503,8 +506,9 @@ class ModeSwitch:
             sync = sparse_route(opt, base)
         else:   # one cluster, no stella compressor: nothing crosses a WAN, Horovod's route
             sync = DenseRoute(opt, pset, spec.compression, spec.op, spec.predivide)
-        local = local_steps_sync(opt, ls, rungs[0], LocalStepsRule(settings, ls.every))
-        switch = cls(opt, sync, session, local, rungs, settings, probe, rung_outers)
+        cluster_route = DenseRoute(opt, cluster_process_set(), kind="cluster")
+        local = local_steps_sync(opt, ls, rungs[0], cluster_route.channel, LocalStepsRule(settings, ls.every))
+        switch = cls(opt, sync, cluster_route, session, local, rungs, settings, probe, rung_outers)
         opt._tuner = switch
         opt._session = session
         opt._install(sync, NoOuterSync())

@@ -116,6 +116,28 @@ if mode == "freeze_in_op":
         hvd.allreduce(torch.ones(1000), name="fz.%d" % step)
     print("rank %d finished without noticing the failure" % hvd.rank())
     raise SystemExit(0)
+if mode in ("join_in_inner_steps", "stall_in_inner_step"):
+    # local steps on two clusters of two ranks: at step 3 rank 1 calls hvd.join() (as if out of
+    # batches) or stalls, while rank 0, its cluster's other rank, waits for its gradients on the
+    # cluster's channel, off the negotiation (optim/cluster_channel.py). H is longer than the
+    # run: the other cluster never waits for this one (it trains its steps, then idles)
+    model = torch.nn.Linear(8, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), local_steps=hvd.LocalSteps(every=100000))
+    assert (opt._route.channel is not None) == (hvd.global_process_set.topology.cluster_size > 1)
+    for step in range(1000):
+        if step == 3 and hvd.rank() == 1:
+            if mode == "stall_in_inner_step":
+                time.sleep(120)
+            hvd.join()
+            time.sleep(60)
+        opt.zero_grad()
+        model(torch.randn(16, 8)).square().mean().backward()
+        opt.step()
+    if hvd.rank() in (0, 1):
+        print("rank %d finished without noticing the failure" % hvd.rank())
+    time.sleep(60)
+    raise SystemExit(0)
 if hvd.rank() == 1:
     if mode == "raise":
         raise RuntimeError("boom on purpose")

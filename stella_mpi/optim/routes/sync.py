@@ -30,6 +30,7 @@ from ...core import state
 from ...core.fusion import scale
 from ...core.nonfinite import has_nonfinite
 from ..buckets import Bucket
+from ..cluster_channel import ClusterChannel, layout_of
 from ..momentum_correction import plain_sgd_step
 
 log = logging.getLogger("stella_mpi")
@@ -96,6 +97,7 @@ class SyncRoute:
     bucket with the non-finite policy, and the user's step."""
     kind = None
     bucket_class = SyncBucket
+    channel = None   # the ClusterChannel of the cluster route (DenseRoute kind "cluster"), or None
 
     def __init__(self, opt, process_set, op=Average, predivide=1.0, local_clip=None):
         self.opt = opt
@@ -203,6 +205,11 @@ class SyncRoute:
         bucket.decompress = compression.decompress
         if self.process_set.size() == 1:
             bucket.handle = reduce_alone(tensors, name, prescale, postscale)
+            return
+        if self.channel is not None and not bucket.sparse and self.op in (Average, Sum) \
+                and ClusterChannel.takes(tensors):
+            bucket.handle = self.channel.allreduce(tensors, name, self.op == Average, prescale, postscale,
+                                                   bucket.index)
             return
         bucket.handle = allreduce_tensors_async(tensors, inplace_outputs, name, self.op, prescale, postscale,
                                                 self.process_set, "grouped_allreduce", gradients=True)
@@ -349,6 +356,11 @@ class DenseRoute(SyncRoute):
         super().__init__(opt, process_set, op, predivide, local_clip)
         self.compression = compression
         self.kind = kind
+        self.channel = None   # kind "cluster" on a cluster of several ranks: its ClusterChannel
+        if kind == "cluster" and process_set.included() and ClusterChannel.usable(process_set):
+            rt = state.current()
+            self.channel = ClusterChannel(rt.auto_name("DistributedOptimizer.cluster_channel", process_set),
+                                          process_set, layout_of([(opt._names[p], p) for p in opt._params]))
 
     def _reduce(self, bucket, grads, name):
         self._dense(bucket, grads, name, self.compression)

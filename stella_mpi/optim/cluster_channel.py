@@ -1,0 +1,234 @@
+"""The inner steps of local steps, averaged inside a cluster without asking the other clusters.
+
+A collective submitted to the collective thread runs once a negotiation round with every rank
+of the job has matched it (core/negotiation.py). For the gradients of an inner step, which only
+the cluster's own ranks reduce, that round crosses the WAN: with 25 ms of one-way delay it cost
+a 2x2 job 78 ms per inner step (41 -> 119 ms/step, docs/guides/local-steps.md). The channel
+reduces those gradients on a duplicate of the cluster's communicator instead, from the training
+thread, so an inner step waits for no rank outside its cluster.
+
+What the negotiation gave each collective, the channel gives too:
+
+- **Matching.** The buckets launch in bucket order on every rank (optim/buckets.py), so the
+  channel's collectives pair up by order. Each rank's parameters (names, shapes, dtypes) are
+  compared once, when the channel is built; ranks that differ get a :class:`TensorMismatchError`
+  naming them, on every rank of the cluster.
+- **Non-finite inputs.** Each buffer carries one more entry, this rank's flag (1 when its part
+  holds NaN or Inf), summed with the values: every rank sees the same count and refuses alike.
+  Only then is one more exchange made, to name the ranks in the error.
+- **Deadlines.** Every wait is under ``STELLA_TIMEOUT``; past it the job ends, naming the ranks
+  that never came (the request is still live, so its buffers must stay: nothing is returned).
+
+Where it does not apply, a bucket takes the negotiated path as before: CUDA tensors (NCCL's
+communicator belongs to the collective thread), dtypes other than floats, a bucket that holds a
+torch sparse gradient, MPI without ``MPI_THREAD_MULTIPLE``, and ``STELLA_CLUSTER_CHANNEL=0``.
+``hvd.join()`` cannot take part in it: a rank that joins while the other ranks of its cluster
+still take inner steps would leave them waiting for its gradients. They end the job as soon as
+the negotiation tells them it joined, naming it (no deadline to wait out).
+"""
+import hashlib
+import time
+
+import torch
+from mpi4py import MPI
+
+from ..api.handles import synchronize
+from ..base import timeline
+from ..base.errors import HorovodInternalError, NonFiniteGradientError, StellaTimeoutError, TensorMismatchError
+from ..comm.abort import end_job
+from ..comm.buffers import mpi_view
+from ..comm.deadline import end_on_timeout
+from ..comm.hierarchy import compute_dtype
+from ..comm.messages import allgather_json
+from ..core import state
+from ..core.collective_thread import Op
+from ..core.fusion import scale
+from ..core.nonfinite import has_nonfinite
+
+JOINED = ("hvd.join() is not supported with hvd.LocalSteps on clusters of several ranks: their inner steps "
+          "average gradients on the cluster's own channel, which a joined rank cannot take part in. Give every rank "
+          "the same number of batches (hvd.elastic.ElasticSampler, or drop_last with equal shards), or set "
+          "STELLA_CLUSTER_CHANNEL=0 to reduce inner steps through the negotiation")
+
+
+def layout_of(named):
+    """[[name, shape, dtype, device type]] of ``named`` ([(name, parameter)]): what must be equal
+    on every rank of the cluster for the buckets' collectives to pair up."""
+    return [[n, list(p.shape), str(p.dtype).replace("torch.", ""), p.device.type] for n, p in named]
+
+
+def _digest(layout):
+    return hashlib.sha1(repr(layout).encode()).hexdigest()
+
+
+def mismatch_lines(layouts, ranks):
+    """The lines naming where the ranks' layouts first differ (``layouts[i]`` of world rank
+    ``ranks[i]``)."""
+    lines = []
+    ref = layouts[0]
+    for r, lay in zip(ranks[1:], layouts[1:]):
+        if lay == ref:
+            continue
+        if len(lay) != len(ref):
+            lines.append("  rank %d has %d parameters, rank %d has %d" % (ranks[0], len(ref), r, len(lay)))
+            continue
+        for a, b in zip(ref, lay):
+            if a != b:
+                lines.append("  rank %d: %s %s %s on %s; rank %d: %s %s %s on %s"
+                             % (ranks[0], a[0], tuple(a[1]), a[2], a[3], r, b[0], tuple(b[1]), b[2], b[3]))
+                break
+    return lines
+
+
+class ClusterChannel:
+    """The inner steps' allreduce on this rank's cluster (``pset``: the cluster's process set,
+    of more than one rank), off the negotiation. Built collectively by the cluster's ranks, at
+    the same point of their programs (the optimizer's construction)."""
+
+    def __init__(self, name, pset, layout):
+        self.name = name
+        self.pset = pset
+        self.size = pset.size()
+        self.members = list(pset.ranks)   # world ranks, in the cluster communicator's order
+        self.deadline = pset.deadline
+        self.buffers = {}                 # bucket key -> the reused send buffer
+        self.reductions = 0               # collectives this channel ran (tests, and hvd.stats readers)
+        self.closed = False
+        mine = _digest(layout)
+
+        def build(ps, desc, inputs, joined):   # on the collective thread: no other collective of ps runs
+            with ps.deadline.guard("duplicating the communicator of %s" % name):
+                comm = ps.comms.comm.Dup()
+            try:
+                digests = allgather_json(comm, mine, ps.deadline, "the layout check of %s" % name)
+                if len(set(digests)) > 1:
+                    layouts = allgather_json(comm, layout, ps.deadline, "the layout check of %s" % name)
+                    raise TensorMismatchError(
+                        "hvd.DistributedOptimizer (local steps): the ranks of cluster %s hold different parameters, "
+                        "so their inner steps' gradients would not pair up:\n%s\nBuild the same model on every "
+                        "rank." % (ps.topology.cluster_id if ps.topology else "?",
+                                   "\n".join(mismatch_lines(layouts, self.members))))
+            except BaseException:
+                comm.Free()
+                raise
+            return comm
+
+        rt = state.current("hvd.LocalSteps")
+        self.comm = synchronize(rt.collective_thread.submit(
+            Op("cluster_channel", name, {"kind": "cluster_channel", "name": name}, (), build, pset)))
+        rt.closers.append(self.close)
+        self.thread = rt.collective_thread
+        self.rank = rt.rank
+
+    def _watch(self, what):
+        """While a reduction waits: a rank of this cluster that has joined (``hvd.join()``, as
+        the negotiation agreed) will never come, so the job ends now, naming it."""
+        negotiator = self.thread.negotiator
+        if negotiator is None:
+            return
+        gone = [r for r in negotiator.joined if r in self.members and r != self.rank]
+        if gone:
+            end_job("stella_mpi: rank %d: %s: rank%s %s of this cluster called hvd.join(). %s"
+                    % (self.rank, what, "s" if len(gone) > 1 else "", ", ".join(map(str, gone)), JOINED))
+
+    @staticmethod
+    def usable(pset):
+        """Whether a channel can serve ``pset`` (this rank's cluster): more than one rank, MPI
+        with THREAD_MULTIPLE, not turned off. The same answer on every rank of the cluster."""
+        rt = state.current("hvd.LocalSteps")
+        return (pset.size() > 1 and rt.config.cluster_channel
+                and MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+    @staticmethod
+    def takes(tensors):
+        """Whether the channel reduces these tensors (dense, on the CPU, one float dtype): the
+        same answer on every rank whose parameters agree."""
+        if not tensors:
+            return False
+        t0 = tensors[0]
+        return (t0.device.type == "cpu" and compute_dtype(t0.dtype) in (torch.float32, torch.float64)
+                and all(t.device.type == "cpu" and t.dtype == t0.dtype and not t.is_sparse for t in tensors))
+
+    def close(self):
+        """At hvd.shutdown(): free the communicator (nothing is in flight: every bucket's
+        reduction is waited for by the step that launched it)."""
+        self.closed = True
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    def _buffer(self, key, n, dtype):
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() != n + 1 or buf.dtype != dtype:
+            buf = self.buffers[key] = torch.empty(n + 1, dtype=dtype)
+        return buf
+
+    def allreduce(self, tensors, name, average, prescale, postscale, key):
+        """Start the sum (or mean, ``average``) of ``tensors`` over the cluster, written back into
+        them, with the executor's scaling (prescale, sum, postscale / size). Returns the handle:
+        a function that ``synchronize`` calls, which waits and returns ``tensors``. ``key``: the
+        bucket's index, under which the send buffer is reused from step to step."""
+        if self.closed:
+            raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
+        cdt = compute_dtype(tensors[0].dtype)
+        n = sum(t.numel() for t in tensors)
+        buf = self._buffer(key, n, cdt)
+        pos = 0
+        for t in tensors:
+            buf[pos:pos + t.numel()].copy_(t.reshape(-1))
+            pos += t.numel()
+        body = buf[:n]
+        bad = state.current().config.nonfinite != "off" and has_nonfinite([body])
+        buf[n] = 1.0 if bad else 0.0
+        if prescale != 1.0:
+            scale(body, prescale)
+        start = time.perf_counter()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI.SUM)
+        self.reductions += 1
+
+        def reduced():
+            what = "the cluster's allreduce %r (local steps' inner step)" % name
+            try:
+                self.deadline.wait(req, what, watch=lambda: self._watch(what))
+            except StellaTimeoutError as e:
+                end_on_timeout(e)
+            with timeline.op_scope(name):
+                timeline.record("CLUSTER_ALLREDUCE", start, time.perf_counter(), ranks=self.size)
+            if float(buf[n]) != 0.0:
+                raise NonFiniteGradientError(
+                    "a non-finite gradient (NaN or Inf) on rank %s in the cluster's allreduce %r; refused on every "
+                    "rank of the cluster" % (self._flagged(bad, what), name))
+            factor = postscale / self.size if average else postscale
+            if factor != 1.0:
+                scale(body, factor)
+            pos = 0
+            for t in tensors:
+                k = t.numel()
+                if t.is_contiguous():
+                    t.view(-1).copy_(body[pos:pos + k])
+                else:
+                    t.copy_(body[pos:pos + k].view(t.shape))
+                pos += k
+            return tensors
+        return reduced
+
+    def _flagged(self, bad, what):
+        """The world ranks whose part was not finite (every rank of the cluster asks, having seen
+        the same count)."""
+        flags = allgather_json(self.comm, bool(bad), self.deadline, what + ": naming the non-finite ranks")
+        return ", ".join(str(r) for r, f in zip(self.members, flags) if f)
+
+    def any(self, flag):
+        """Whether any rank of the cluster passed True (every rank calls it at the same point)."""
+        if self.closed:
+            raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
+        send = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        out = torch.zeros(1, dtype=torch.int32)
+        what = "the end of a period agreed in the cluster (%s)" % self.name
+        try:
+            self.deadline.wait(self.comm.Iallreduce(mpi_view(send), mpi_view(out), op=MPI.MAX), what,
+                               watch=lambda: self._watch(what))
+        except StellaTimeoutError as e:
+            end_on_timeout(e)
+        self.reductions += 1
+        return bool(out[0])
