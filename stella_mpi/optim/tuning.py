@@ -45,7 +45,7 @@ from ..api.allreduce import (allreduce_async, allreduce_tensors_async, compresse
 from ..api.functions import broadcast_object
 from ..api.handles import GroupHandle, finished_at, synchronize
 from ..api.queries import rank
-from ..api.reduce_ops import Average, Max
+from ..api.reduce_ops import Average, Max, Min
 from ..base import timeline
 from ..base.errors import NonFiniteGradientError
 from ..comm.hierarchy import allreduce_bytes
@@ -54,6 +54,7 @@ from ..core import state
 from ..core.process_sets import global_process_set
 from .agreement import check_agreement
 from .buckets import plan_pseudo_gradient_buckets
+from .cluster_channel import ClusterChannel
 from .clusters import cluster_process_set
 from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
@@ -459,7 +460,8 @@ class ModeSwitch:
                                  [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c))
                                   for n, c in zip(self.rung_names, self.rungs)],
                                  link_bps=probe.pair_bps if probe is not None else None,
-                                 schedules=schedules_fit(local.settings, opt._spec.process_set.topology))
+                                 schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
+                                                         inner_steps_off_thread(opt, cluster_route)))
             local.schedules_chosen = self.rule.schedules
 
     @property
@@ -782,17 +784,33 @@ class ModeSwitch:
                                       self.rung_names))
 
 
-def schedules_fit(ls, topology=None):
+def schedules_fit(ls, topology=None, off_thread=False):
     """Whether the adjuster may choose the schedule (F, delay) of local steps ``ls`` (the user's
     LocalSteps under ``modes``, or the automatic route's): not over the user's own fragments,
-    delay, overlap or time pace; and only where every cluster of ``topology`` has one rank. A
-    cluster of several ranks reduces each step's gradients on the collective thread, behind the
-    exchange in flight, so a delay hides nothing there: measured on the byte LM, 2 clusters of
-    2 ranks at 100 Mbit/s, the steps went from 55-62 ms to 95 ms under 4 delayed fragments
-    (docs/guides/local-steps.md). A cluster of one rank reduces without it (routes/sync.py)."""
+    delay, overlap or time pace; and only where every cluster's inner steps reduce without the
+    collective thread: every cluster of ``topology`` has one rank (routes/sync.py's
+    ``reduce_alone``), or ``off_thread`` (agreed by every rank: each cluster of several ranks
+    reduces every gradient on its ClusterChannel). Gradients that go through the collective
+    thread wait behind the exchange in flight, so a delay hides nothing: measured on the byte LM,
+    2 clusters of 2 ranks at 100 Mbit/s, the steps went from 55-62 ms to 95 ms under 4 delayed
+    fragments (docs/guides/local-steps.md), before the channel."""
     alone = topology is None or max(len(m) for m in topology.cluster_members) == 1
     return (ls.fragments == 1 and ls.delay == 0 and not ls.overlap and ls.pace == "steps"
-            and ls.fragment_groups is None and not isinstance(ls.outer, torch.optim.Optimizer) and alone)
+            and ls.fragment_groups is None and not isinstance(ls.outer, torch.optim.Optimizer)
+            and (alone or off_thread))
+
+
+def inner_steps_off_thread(opt, cluster_route):
+    """Whether every rank's inner steps reduce without the collective thread: alone in its
+    cluster, or on the cluster's channel with every parameter a tensor the channel takes (CUDA
+    tensors go through NCCL on the thread). One MIN allreduce over the optimizer's process set,
+    so that every rank offers the adjuster the same schedules."""
+    mine = cluster_route.process_set.size() == 1 or (
+        cluster_route.channel is not None and all(ClusterChannel.takes([p]) for p in opt._params))
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    pset = opt._spec.process_set
+    name = state.current().auto_name("DistributedOptimizer.off_thread", pset)
+    return bool(synchronize(allreduce_async(flag, op=Min, name=name, process_set=pset))[0])
 
 
 def _comp_name(comp):

@@ -777,8 +777,9 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     synchronizes the clusters and starts a phase of 2 fragments, each landing 1 step after its
     launch; its cycles are measured and fed to the rule; a checkpoint carries the schedule into
     an optimizer that runs the blocking one, and sync_clusters ends both with the same
-    parameters everywhere. (Schedules are offered where every cluster has one rank; here they
-    are offered in every layout, so clusters of several ranks run the fragments too.)"""
+    parameters everywhere. (Schedules are offered where no inner step reduces on the collective
+    thread: a cluster of one rank reduces alone, one of several on its channel (CPU tensors), so
+    they are offered in every layout here, clusters of several ranks included.)"""
     from stella_mpi.adjust.mode_rule import Schedule
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no exchange across clusters, nothing to switch")
@@ -798,7 +799,7 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
 
     def offered(m):
         opt = _switching(m, hvd.Compression.fp16)
-        opt._tuner.rule.schedules = opt._tuner.local.schedules_chosen = True
+        assert opt._tuner.rule.schedules and opt._tuner.local.schedules_chosen
         return opt
 
     model, opt = _train_with(offered, 30, watch)

@@ -458,15 +458,17 @@ def test_a_schedule_whose_steps_run_slower_is_charged_for_them_and_left():
     assert r.overheads == {} and r.base is None
 
 
-def test_schedules_are_offered_where_every_cluster_has_one_rank():
+def test_schedules_are_offered_where_no_inner_step_waits_on_the_collective_thread():
     from types import SimpleNamespace
     from stella_mpi.optim.outer_sync import LocalSteps
     from stella_mpi.optim.tuning import schedules_fit
     ones, twos, uneven = (SimpleNamespace(cluster_members=m) for m in ([[0], [1]], [[0, 1], [2, 3]], [[0, 2], [1]]))
     ls = LocalSteps(every=8)
     assert schedules_fit(ls, ones) and not schedules_fit(ls, twos) and not schedules_fit(ls, uneven)
+    # clusters of several ranks whose inner steps all reduce on their ClusterChannel
+    assert schedules_fit(ls, twos, off_thread=True) and schedules_fit(ls, uneven, off_thread=True)
     import torch
     instance = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)   # (one outer for the whole model)
     for own in (LocalSteps(every=8, fragments=2), LocalSteps(every=8, delay=1), LocalSteps(every=8, overlap=True),
                 LocalSteps(every=8, pace="time"), LocalSteps(every=8, outer=instance)):
-        assert not schedules_fit(own, ones)
+        assert not schedules_fit(own, ones) and not schedules_fit(own, twos, off_thread=True)
