@@ -21,6 +21,7 @@ dominates); "lm" -- the byte-level language model on Python's standard-library s
 (examples/stdlib_text.py), for time to a target loss.
 """
 import argparse
+import collections
 import json
 import os
 import sys
@@ -127,6 +128,29 @@ def postlocal_averaged(opt):
     return s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0
 
 
+def record_agreed(records, own, agreed, size, hvd, args):
+    """Append the agreed steps' records (this rank's own figures in ``own``, by step, popped);
+    returns whether the time budget is over as of the last of them."""
+    for step, loss_sum, wan_all, compute_max, elapsed in agreed:
+        mine = own.pop(step)
+        records.append({"step": step, "loss": loss_sum / size, "step_s": mine["step_s"], "elapsed_s": elapsed,
+                        "compute_s": compute_max, "wan_bytes_rank": mine["wan_bytes_rank"],
+                        "wan_bytes_all": wan_all if hvd else None,
+                        **{k: v for k, v in mine.items() if k not in ("step_s", "wan_bytes_rank")}})
+    return bool(args.time_budget) and bool(records) and records[-1]["elapsed_s"] >= args.time_budget
+
+
+def target_reached(records, args, since=0):
+    """The first step where the mean training loss over the last --window steps is at or below
+    --target-loss: {"step", "elapsed_s"}, or None (windows ending before record ``since`` are
+    not checked again)."""
+    for i in range(max(args.window - 1, since), len(records)):
+        window = records[i - args.window + 1:i + 1]
+        if sum(r["loss"] for r in window) / args.window <= args.target_loss:
+            return {"step": records[i]["step"], "elapsed_s": records[i]["elapsed_s"]}
+    return None
+
+
 def sum_over_ranks(values):
     """``values`` (floats) reduced over COMM_WORLD, through mpi4py's buffer call: its pickle-based
     ``comm.allreduce`` holds Python's GIL while it waits for the other ranks, so stella_mpi's
@@ -135,6 +159,42 @@ def sum_over_ranks(values):
     buf = np.array(values, dtype=np.float64)
     MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     return buf
+
+
+class StepLedger:
+    """The per-step bookkeeping of a run, which must not wait on the WAN at every step.
+
+    Each step's mean loss and WAN bytes (sums over the ranks) and its slowest rank's compute time
+    and clock (maxima) travel in two non-blocking allreduces started at the step's end and read
+    ``lag`` steps later. Every rank reads the same values at the same step, so they stop at the
+    time budget and at a target loss alike; what they act on is ``lag`` steps old. (Two blocking
+    allreduces a step put two round trips of the link into every step: with --wan-delay 25ms about
+    100 ms, more than a step's compute on this model, and as much on every peer.)"""
+
+    def __init__(self, comm, lag=4):
+        self.comm = comm
+        self.lag = lag
+        self.flight = collections.deque()   # (step, sums, maxima, sum request, max request)
+
+    def add(self, step, loss, wan, compute, clock):
+        """This rank's figures of ``step``; returns the steps now agreed, each (step, loss sum,
+        WAN bytes sum, compute max, clock max), oldest first (one, or none in the first ``lag``)."""
+        sums, maxima = np.array([loss, wan], dtype=np.float64), np.array([compute, clock], dtype=np.float64)
+        self.flight.append((step, sums, maxima, self.comm.Iallreduce(MPI.IN_PLACE, sums, op=MPI.SUM),
+                            self.comm.Iallreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)))
+        return self._take(len(self.flight) - self.lag)
+
+    def finish(self):
+        """The steps still in flight (every rank calls it after the same step)."""
+        return self._take(len(self.flight))
+
+    def _take(self, n):
+        out = []
+        for _ in range(max(0, n)):
+            step, sums, maxima, a, b = self.flight.popleft()
+            MPI.Request.Waitall([a, b])
+            out.append((step, float(sums[0]), float(sums[1]), float(maxima[0]), float(maxima[1])))
+        return out
 
 
 def main():
@@ -278,7 +338,14 @@ def main():
                 loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
             return sum_over_ranks([loss])[0] / size
 
+    def clock_now():
+        """The slowest rank's clock now (every rank calls it at the same step)."""
+        buf = np.array([time.perf_counter() - t0 - paused])
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return float(buf[0])
+
     records, reached, curve = [], None, []
+    ledger, own = StepLedger(MPI.COMM_WORLD), {}
     MPI.COMM_WORLD.Barrier()
     t0, t0_unix = time.perf_counter(), time.time()
     last = t0
@@ -301,30 +368,23 @@ def main():
         now = time.perf_counter()
         st = hvd.stats()["last_step"] if hvd else {}
         wan = st.get("wan_bytes_sent", 0)
-        # the mean loss and the WAN bytes every rank sent in one allreduce, the slowest rank's
-        # compute time in another. The step time runs from one step's end to the next one's, so
-        # this bookkeeping is counted in (~1 ms; more where it waits behind the CPU engine's MPI
-        # traffic, which is then the engine's cost, not to be hidden)
-        loss_sum, wan_all = sum_over_ranks([loss.item(), wan])
-        clocks = np.array([compute, now - t0 - paused])
-        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
-        compute_max, elapsed = float(clocks[0]), float(clocks[1])
-        records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": elapsed,
-                        "compute_s": compute_max, "wan_bytes_rank": wan if hvd else None,
-                        "wan_bytes_all": wan_all if hvd else None,
-                        "density": st.get("adjust_density", st.get("density")),
-                        "sent_density": st.get("density"),   # measured: entries sent / elements
-                        "residual_norm_ratio": st.get("residual_norm_ratio"),
-                        "wan_bandwidth_bps": st.get("wan_bandwidth_bps"),
-                        "local_steps_every": getattr(opt, "local_steps_every", None),
-                        "route": getattr(opt, "mode", None), "route_desc": getattr(opt, "route", None)})
-        if args.target_loss is not None and step >= args.window and reached is None:
-            if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
-                reached = {"step": step, "elapsed_s": elapsed}
+        own[step] = {"step_s": now - last, "wan_bytes_rank": wan if hvd else None,
+                       "density": st.get("adjust_density", st.get("density")),
+                       "sent_density": st.get("density"),   # measured: entries sent / elements
+                       "residual_norm_ratio": st.get("residual_norm_ratio"),
+                       "wan_bandwidth_bps": st.get("wan_bandwidth_bps"),
+                       "local_steps_every": getattr(opt, "local_steps_every", None),
+                       "route": getattr(opt, "mode", None), "route_desc": getattr(opt, "route", None)}
+        agreed = ledger.add(step, loss.item(), wan, compute, now - t0 - paused)
+        before = len(records)
+        over = record_agreed(records, own, agreed, size, hvd, args) if agreed else False
+        if args.target_loss is not None and reached is None:
+            reached = target_reached(records, args, before)
+            if reached is not None:
                 break
-        over = bool(args.time_budget) and elapsed >= args.time_budget
-        if args.eval_seconds and (elapsed >= next_eval or over):
+        if args.eval_seconds and (over or (records and records[-1]["elapsed_s"] >= next_eval)):
             e0 = time.perf_counter()
+            elapsed = clock_now()
             curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
             while next_eval <= elapsed:
                 next_eval += args.eval_seconds
@@ -336,6 +396,10 @@ def main():
         if over:
             break
         last = now
+    before = len(records)
+    record_agreed(records, own, ledger.finish(), size, hvd, args)
+    if args.target_loss is not None and reached is None:
+        reached = target_reached(records, args, before)
     if hvd and args.mode.startswith("cpu"):
         opt.drain()
     # the adjuster's session (the switching optimizer keeps it while local steps run)

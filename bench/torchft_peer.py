@@ -57,7 +57,8 @@ os.environ.setdefault("RUST_LOG", "warn")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # e2e_train puts examples/ on the path and brings the workloads and the cluster layout
-from e2e_train import RandomTask, cluster_ranks, comm_heavy_model  # noqa: E402
+from e2e_train import (RandomTask, StepLedger, cluster_ranks, comm_heavy_model, record_agreed,  # noqa: E402
+                       target_reached)
 from stdlib_text import ByteBatches, ByteMLP, load_corpus  # noqa: E402
 from provenance import provenance  # noqa: E402
 
@@ -302,7 +303,14 @@ def main():
             comm.Allreduce(MPI.IN_PLACE, buf)   # (not comm.allreduce: that one holds the GIL while it waits)
             return float(buf[0]) / size
 
+    def clock_now():
+        """The slowest rank's clock now (every rank calls it at the same step)."""
+        buf = np.array([time.perf_counter() - t0 - paused])
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return float(buf[0])
+
     records, reached, curve = [], None, []
+    ledger, own = StepLedger(comm), {}
     comm.Barrier()
     tx0 = wan_tx_bytes()
     t0, t0_unix = time.perf_counter(), time.time()
@@ -324,28 +332,24 @@ def main():
         opt.step()          # the inner step; every H/F steps torchft's outer sync of a fragment
         synced = keep["fragment_bytes"][before % nfrag] if manager.current_step() != before else 0
         now = time.perf_counter()
-        # as e2e_train: the mean loss in one allreduce, the slowest rank's clocks in another
-        sums = np.array([loss.item(), 0.0])
-        comm.Allreduce(MPI.IN_PLACE, sums)
-        loss_sum = float(sums[0])
-        clocks = np.array([compute, now - t0 - paused])
-        comm.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
-        compute_max, elapsed = float(clocks[0]), float(clocks[1])
-        records.append({"step": step, "loss": loss_sum / size, "step_s": now - last, "elapsed_s": elapsed,
-                        "compute_s": compute_max, "wan_bytes_rank": None, "wan_bytes_all": None,
-                        "density": None, "sent_density": None, "residual_norm_ratio": None,
-                        "wan_bandwidth_bps": None, "local_steps_every": every, "route": None,
-                        "outer_step": manager.current_step(),   # torchft's count of committed syncs
-                        # bytes this rank allreduced through torchft in the sync this step completed
-                        # (counted, not measured on the wire; none for uncommitted syncs)
-                        "ft_sync_bytes_rank": synced})
-        if args.target_loss is not None and step >= args.window and reached is None:
-            if sum(r["loss"] for r in records[-args.window:]) / args.window <= args.target_loss:
-                reached = {"step": step, "elapsed_s": elapsed}
+        # as e2e_train: the mean loss and the slowest rank's clocks, agreed a few steps later
+        own[step] = {"step_s": now - last, "wan_bytes_rank": None,
+                       "density": None, "sent_density": None, "residual_norm_ratio": None,
+                       "wan_bandwidth_bps": None, "local_steps_every": every, "route": None,
+                       "outer_step": manager.current_step(),   # torchft's count of committed syncs
+                       # bytes this rank allreduced through torchft in the sync this step completed
+                       # (counted, not measured on the wire; none for uncommitted syncs)
+                       "ft_sync_bytes_rank": synced}
+        agreed = ledger.add(step, loss.item(), 0.0, compute, now - t0 - paused)
+        before = len(records)
+        over = record_agreed(records, own, agreed, size, None, args) if agreed else False
+        if args.target_loss is not None and reached is None:
+            reached = target_reached(records, args, before)
+            if reached is not None:
                 break
-        over = bool(args.time_budget) and elapsed >= args.time_budget
-        if args.eval_seconds and (elapsed >= next_eval or over):
+        if args.eval_seconds and (over or (records and records[-1]["elapsed_s"] >= next_eval)):
             e0 = time.perf_counter()
+            elapsed = clock_now()
             curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
             while next_eval <= elapsed:
                 next_eval += args.eval_seconds
@@ -354,6 +358,10 @@ def main():
         if over:
             break
         last = now
+    before = len(records)
+    record_agreed(records, own, ledger.finish(), size, None, args)
+    if args.target_loss is not None and reached is None:
+        reached = target_reached(records, args, before)
     val = curve[-1]["validation_loss"] if curve and curve[-1]["step"] == len(records) else held_out_loss()
     diloco.__exit__(None, None, None)
     # measured: what each cluster's namespace sent on its WAN link during the run (torchft's
