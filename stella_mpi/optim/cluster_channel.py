@@ -28,6 +28,7 @@ the negotiation tells them it joined, naming it (no deadline to wait out).
 """
 import hashlib
 import time
+import weakref
 
 import torch
 from mpi4py import MPI
@@ -81,44 +82,87 @@ def mismatch_lines(layouts, ranks):
 
 
 class ClusterChannel:
-    """The inner steps' allreduce on this rank's cluster (``pset``: the cluster's process set,
-    of more than one rank), off the negotiation. Built collectively by the cluster's ranks, at
-    the same point of their programs (the optimizer's construction)."""
+    """The communicator of the inner steps' reductions on this rank's cluster (``pset``: the
+    cluster's process set, of more than one rank): one per runtime and cluster, duplicated the
+    first time an optimizer asks (:meth:`shared`), freed at ``hvd.shutdown()``. Each optimizer
+    reduces through its own :class:`ClusterLane` (:meth:`lane`)."""
 
-    def __init__(self, name, pset, layout):
-        self.name = name
+    def __init__(self, pset):
         self.pset = pset
         self.size = pset.size()
         self.members = list(pset.ranks)   # world ranks, in the cluster communicator's order
         self.deadline = pset.deadline
-        self.buffers = {}                 # bucket key -> the reused send buffer
-        self.reductions = 0               # collectives this channel ran (tests, and hvd.stats readers)
+        self.lanes = 0                    # lanes opened so far: the next one's number (the same on every rank)
         self.closed = False
-        mine = _digest(layout)
+        name = "cluster_channel"
 
-        def build(ps, desc, inputs, joined):   # on the collective thread: no other collective of ps runs
-            with ps.deadline.guard("duplicating the communicator of %s" % name):
-                comm = ps.comms.comm.Dup()
-            try:
-                digests = allgather_json(comm, mine, ps.deadline, "the layout check of %s" % name)
-                if len(set(digests)) > 1:
-                    layouts = allgather_json(comm, layout, ps.deadline, "the layout check of %s" % name)
-                    raise TensorMismatchError(
-                        "hvd.DistributedOptimizer (local steps): the ranks of cluster %s hold different parameters, "
-                        "so their inner steps' gradients would not pair up:\n%s\nBuild the same model on every "
-                        "rank." % (ps.topology.cluster_id if ps.topology else "?",
-                                   "\n".join(mismatch_lines(layouts, self.members))))
-            except BaseException:
-                comm.Free()
-                raise
-            return comm
+        def dup(ps, desc, inputs, joined):   # on the collective thread: no other collective of ps runs
+            with ps.deadline.guard("duplicating the communicator of the cluster's channel"):
+                return ps.comms.comm.Dup()
 
         rt = state.current("hvd.LocalSteps")
         self.comm = synchronize(rt.collective_thread.submit(
-            Op("cluster_channel", name, {"kind": "cluster_channel", "name": name}, (), build, pset)))
+            Op("cluster_channel", name, {"kind": "cluster_channel", "name": name}, (), dup, pset)))
         rt.closers.append(self.close)
         self.thread = rt.collective_thread
         self.rank = rt.rank
+
+    @classmethod
+    def shared(cls, pset):
+        """This runtime's channel of ``pset`` (built collectively by the cluster's ranks the first
+        time, at the same point of their programs: an optimizer's construction)."""
+        rt = state.current("hvd.LocalSteps")
+        channel = _SHARED.get(rt)
+        if channel is None or channel.closed or channel.pset is not pset:
+            channel = _SHARED[rt] = cls(pset)
+        return channel
+
+    def lane(self, named, buckets):
+        """A new :class:`ClusterLane` for an optimizer's parameters ``named`` ([(name,
+        parameter)]) cut into ``buckets`` (lists of parameters). Collective over the cluster:
+        the ranks compare their parameters and buckets once, and ranks that differ raise
+        :class:`TensorMismatchError` on every rank of the cluster, naming them."""
+        if self.closed:
+            raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
+        names = {id(p): n for n, p in named}
+        layout = layout_of(named)
+        plan = [[names.get(id(p), "?") for p in b] for b in buckets]
+        mine = _digest([layout, plan])
+        what = "the parameter check of the cluster's channel"
+        try:
+            digests = allgather_json(self.comm, mine, self.deadline, what)
+            if len(set(digests)) > 1:
+                both = allgather_json(self.comm, [layout, plan], self.deadline, what)
+        except StellaTimeoutError as e:
+            end_on_timeout(e)
+        if len(set(digests)) > 1:
+            lines = mismatch_lines([b[0] for b in both], self.members) or \
+                ["  the same parameters, cut into different buckets (STELLA_FUSION_THRESHOLD, num_groups or groups "
+                 "differ): rank %d %s; %s" % (self.members[0], [len(b) for b in both[0][1]], "; ".join(
+                     "rank %d %s" % (r, [len(b) for b in x[1]]) for r, x in zip(self.members[1:], both[1:])))]
+            raise TensorMismatchError(
+                "hvd.DistributedOptimizer (local steps): the ranks of cluster %s hold different parameters or "
+                "buckets, so their inner steps' gradients would not pair up:\n%s\nBuild the same model and "
+                "optimizer on every rank." % (self.pset.topology.cluster_id if self.pset.topology else "?",
+                                              "\n".join(lines)))
+        self.lanes += 1
+        return ClusterLane(self, self.lanes)
+
+    def close(self):
+        """At hvd.shutdown(): free the communicator (nothing is in flight: every bucket's
+        reduction is waited for by the step that launched it)."""
+        self.closed = True
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    def wait(self, req, what):
+        """Wait for ``req`` under the deadline, watching for a rank of the cluster that joined.
+        A timeout ends the job: the request is still live (its buffers must stay)."""
+        try:
+            self.deadline.wait(req, what, watch=lambda: self._watch(what))
+        except StellaTimeoutError as e:
+            end_on_timeout(e)
 
     def _watch(self, what):
         """While a reduction waits: a rank of this cluster that has joined (``hvd.join()``, as
@@ -149,30 +193,40 @@ class ClusterChannel:
         return (t0.device.type == "cpu" and compute_dtype(t0.dtype) in (torch.float32, torch.float64)
                 and all(t.device.type == "cpu" and t.dtype == t0.dtype and not t.is_sparse for t in tensors))
 
-    def close(self):
-        """At hvd.shutdown(): free the communicator (nothing is in flight: every bucket's
-        reduction is waited for by the step that launched it)."""
-        self.closed = True
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
+
+_SHARED = weakref.WeakKeyDictionary()   # runtime -> its ClusterChannel
+
+
+class ClusterLane:
+    """One optimizer's reductions on the cluster's channel: its send buffers (one per bucket,
+    reused from step to step) and the identity each buffer carries. Besides the non-finite flag,
+    every buffer carries this lane's number and the bucket's index, summed with the values: a
+    rank whose buffer pairs with another optimizer's or another bucket's (a gradient sparse on
+    one rank and dense on another sends the bucket elsewhere) is caught there, not summed."""
+
+    def __init__(self, channel, number):
+        self.channel = channel
+        self.number = number
+        self.buffers = {}     # bucket index -> the reused send buffer
+        self.reductions = 0   # collectives this lane ran (what the tests count)
 
     def _buffer(self, key, n, dtype):
         buf = self.buffers.get(key)
-        if buf is None or buf.numel() != n + 1 or buf.dtype != dtype:
-            buf = self.buffers[key] = torch.empty(n + 1, dtype=dtype)
+        if buf is None or buf.numel() != n + _EXTRA or buf.dtype != dtype:
+            buf = self.buffers[key] = torch.empty(n + _EXTRA, dtype=dtype)
         return buf
 
-    def allreduce(self, tensors, name, average, prescale, postscale, key):
+    def allreduce(self, tensors, name, average, prescale, postscale, index):
         """Start the sum (or mean, ``average``) of ``tensors`` over the cluster, written back into
         them, with the executor's scaling (prescale, sum, postscale / size). Returns the handle:
-        a function that ``synchronize`` calls, which waits and returns ``tensors``. ``key``: the
-        bucket's index, under which the send buffer is reused from step to step."""
-        if self.closed:
+        a function that ``synchronize`` calls, which waits and returns ``tensors``. ``index``:
+        the bucket's."""
+        ch = self.channel
+        if ch.closed:
             raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
         cdt = compute_dtype(tensors[0].dtype)
         n = sum(t.numel() for t in tensors)
-        buf = self._buffer(key, n, cdt)
+        buf = self._buffer(index, n, cdt)
         pos = 0
         for t in tensors:
             buf[pos:pos + t.numel()].copy_(t.reshape(-1))
@@ -180,25 +234,30 @@ class ClusterChannel:
         body = buf[:n]
         bad = state.current().config.nonfinite != "off" and has_nonfinite([body])
         buf[n] = 1.0 if bad else 0.0
+        buf[n + 1] = float(self.number)
+        buf[n + 2] = float(index + 1)
         if prescale != 1.0:
             scale(body, prescale)
         start = time.perf_counter()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI.SUM)
+        req = ch.comm.Iallreduce(MPI.IN_PLACE, mpi_view(buf), op=MPI.SUM)
         self.reductions += 1
 
         def reduced():
             what = "the cluster's allreduce %r (local steps' inner step)" % name
-            try:
-                self.deadline.wait(req, what, watch=lambda: self._watch(what))
-            except StellaTimeoutError as e:
-                end_on_timeout(e)
+            ch.wait(req, what)
             with timeline.op_scope(name):
-                timeline.record("CLUSTER_ALLREDUCE", start, time.perf_counter(), ranks=self.size)
+                timeline.record("CLUSTER_ALLREDUCE", start, time.perf_counter(), ranks=ch.size)
+            if float(buf[n + 1]) != ch.size * self.number or float(buf[n + 2]) != ch.size * (index + 1):
+                end_job("stella_mpi: rank %d: %s paired with another collective on a rank of its cluster (this "
+                        "rank: optimizer %d, bucket %d, %d entries): its ranks' gradients differ in which "
+                        "parameters are sparse or which optimizers step. Pass sparse_as_dense=True, or set "
+                        "STELLA_CLUSTER_CHANNEL=0 to reduce inner steps through the negotiation, which matches "
+                        "them by name" % (ch.rank, what, self.number, index, n))
             if float(buf[n]) != 0.0:
                 raise NonFiniteGradientError(
                     "a non-finite gradient (NaN or Inf) on rank %s in the cluster's allreduce %r; refused on every "
                     "rank of the cluster" % (self._flagged(bad, what), name))
-            factor = postscale / self.size if average else postscale
+            factor = postscale / ch.size if average else postscale
             if factor != 1.0:
                 scale(body, factor)
             pos = 0
@@ -215,20 +274,24 @@ class ClusterChannel:
     def _flagged(self, bad, what):
         """The world ranks whose part was not finite (every rank of the cluster asks, having seen
         the same count)."""
-        flags = allgather_json(self.comm, bool(bad), self.deadline, what + ": naming the non-finite ranks")
-        return ", ".join(str(r) for r, f in zip(self.members, flags) if f)
+        ch = self.channel
+        try:
+            flags = allgather_json(ch.comm, bool(bad), ch.deadline, what + ": naming the non-finite ranks")
+        except StellaTimeoutError as e:
+            end_on_timeout(e)
+        return ", ".join(str(r) for r, f in zip(ch.members, flags) if f)
 
     def any(self, flag):
         """Whether any rank of the cluster passed True (every rank calls it at the same point)."""
-        if self.closed:
+        ch = self.channel
+        if ch.closed:
             raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
         send = torch.tensor([1 if flag else 0], dtype=torch.int32)
         out = torch.zeros(1, dtype=torch.int32)
-        what = "the end of a period agreed in the cluster (%s)" % self.name
-        try:
-            self.deadline.wait(self.comm.Iallreduce(mpi_view(send), mpi_view(out), op=MPI.MAX), what,
-                               watch=lambda: self._watch(what))
-        except StellaTimeoutError as e:
-            end_on_timeout(e)
+        what = "the end of a period agreed in the cluster"
+        ch.wait(ch.comm.Iallreduce(mpi_view(send), mpi_view(out), op=MPI.MAX), what)
         self.reductions += 1
         return bool(out[0])
+
+
+_EXTRA = 3   # entries after a buffer's values: the non-finite flag, the lane's number, the bucket's index + 1

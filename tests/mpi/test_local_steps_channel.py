@@ -31,9 +31,9 @@ def _model(width=5):
     return m
 
 
-def _optimizer(model):
+def _optimizer(model, **kw):
     return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                    local_steps=hvd.LocalSteps(every=4))
+                                    local_steps=hvd.LocalSteps(every=4), **kw)
 
 
 def _rank_grads(model, rank):
@@ -95,17 +95,24 @@ def test_a_nonfinite_gradient_is_refused_on_every_rank_of_its_cluster_naming_it(
     hvd.barrier()
 
 
-def test_ranks_whose_parameters_differ_are_refused_when_the_optimizer_is_built():
-    """A rank of a cluster with a parameter of another shape: the cluster's ranks raise, naming
-    the parameter and both ranks' shapes, before any inner step could pair mismatched buffers."""
+@pytest.mark.parametrize("differ", ["shape", "buckets"])
+def test_ranks_whose_parameters_differ_are_refused_when_the_optimizer_is_built(differ):
+    """A rank of a cluster with a parameter of another shape, or the same parameters cut into
+    other buckets: the cluster's ranks raise, naming the parameter and both ranks' shapes (or
+    their buckets), before any inner step could pair mismatched buffers."""
     topo = _topo()
     if min(len(m) for m in topo.cluster_members) < 2:   # (it would build on, out of step with the others)
         pytest.skip("a cluster of one rank has no channel to refuse on")
-    model = _model(width=7 if topo.cluster_rank == 1 else 5)
+    other = topo.cluster_rank == 1
     first = global_process_set.ranks[topo.cluster_members[topo.cluster_id][0]]
-    with pytest.raises(TensorMismatchError, match=r"rank %d: a.weight \(5, 6\) float32 on cpu; rank \d+: a.weight "
-                                                  r"\(7, 6\)" % first):
-        _optimizer(model)
+    if differ == "shape":
+        model, kw = _model(width=7 if other else 5), {}
+        match = r"rank %d: a.weight \(5, 6\) float32 on cpu; rank \d+: a.weight \(7, 6\)" % first
+    else:
+        model, kw = _model(), ({"num_groups": 4} if other else {})
+        match = r"cut into different buckets .*rank %d \[2, 2\]; rank \d+ \[1, 1, 1, 1\]" % first
+    with pytest.raises(TensorMismatchError, match=match):
+        _optimizer(model, **kw)
     hvd.barrier()
 
 

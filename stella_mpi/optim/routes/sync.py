@@ -30,7 +30,7 @@ from ...core import state
 from ...core.fusion import scale
 from ...core.nonfinite import has_nonfinite
 from ..buckets import Bucket
-from ..cluster_channel import ClusterChannel, layout_of
+from ..cluster_channel import ClusterChannel
 from ..momentum_correction import plain_sgd_step
 
 log = logging.getLogger("stella_mpi")
@@ -97,7 +97,7 @@ class SyncRoute:
     bucket with the non-finite policy, and the user's step."""
     kind = None
     bucket_class = SyncBucket
-    channel = None   # the ClusterChannel of the cluster route (DenseRoute kind "cluster"), or None
+    channel = None   # the cluster route's ClusterLane (DenseRoute kind "cluster"), or None
 
     def __init__(self, opt, process_set, op=Average, predivide=1.0, local_clip=None):
         self.opt = opt
@@ -356,11 +356,10 @@ class DenseRoute(SyncRoute):
         super().__init__(opt, process_set, op, predivide, local_clip)
         self.compression = compression
         self.kind = kind
-        self.channel = None   # kind "cluster" on a cluster of several ranks: its ClusterChannel
+        self.channel = None   # kind "cluster" on a cluster of several ranks: its lane of the ClusterChannel
         if kind == "cluster" and process_set.included() and ClusterChannel.usable(process_set):
-            rt = state.current()
-            self.channel = ClusterChannel(rt.auto_name("DistributedOptimizer.cluster_channel", process_set),
-                                          process_set, layout_of([(opt._names[p], p) for p in opt._params]))
+            self.channel = ClusterChannel.shared(process_set).lane(
+                [(opt._names[p], p) for p in opt._params], [b.params for b in opt._sync_buckets])
 
     def _reduce(self, bucket, grads, name):
         self._dense(bucket, grads, name, self.compression)
