@@ -73,7 +73,9 @@ so the WAN carries one fragment, 1/F of the model, at a time. tau < H/F: a fragm
 before the next one is launched (one exchange in flight, its order the same everywhere). The
 launch submits the same collectives as the blocking exchange, named ``<name>.f<index>`` (each
 fragment's error-feedback residuals are its own), on the collective thread: the inner steps'
-forward and backward run meanwhile, their reductions inside the cluster queue behind it. A
+forward and backward run meanwhile, their reductions inside the cluster beside it (on the
+cluster's channel, optim/cluster_channel.py; reductions that take the negotiated path, CUDA
+tensors for one, queue behind it). A
 refused fragment (a non-finite value on some rank) goes back to its own anchor on every rank;
 the others train on. ``opt.sync_clusters()`` applies the exchange in flight and then exchanges
 every fragment, blocking, taken whole (no mix): every rank holds the anchor; the schedule goes

@@ -321,9 +321,11 @@ class _Prediction:
         bucket refilled while the link idled through the slot's local steps) and its CPU work.
         With a delay it is in flight while the next inner step's forward and backward run: that
         much of its latency and wire hides, no more, whatever the delay (the collective thread
-        runs one collective at a time: that step's reductions inside the cluster wait behind
-        it); its CPU work is counted in full (the collective thread shares the host with the
-        pass)."""
+        runs one collective at a time, and a step's reductions inside the cluster that take it
+        wait behind the exchange). That bound is conservative where no inner step takes the
+        thread (clusters of one rank, or CPU tensors on the cluster's channel: then up to
+        ``delay`` steps hide it); its CPU work is counted in full (the collective thread shares
+        the host with the pass)."""
         w = self.route.wire
         idle = w.every // w.fragments * (compute + self.fixed_but_cpu)
         hidden = compute if w.delay else 0.0
