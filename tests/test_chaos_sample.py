@@ -10,7 +10,9 @@ import pytest
 
 from mpi_launch import ROOT, mpirun_path
 
-pytestmark = pytest.mark.mpi
+# (slow: the default run's 10 minutes; the failure modes it samples have their own tests in
+# test_faults.py and test_stellarun_failures.py)
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 

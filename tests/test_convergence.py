@@ -47,6 +47,7 @@ def _train(tmp_path, tag, *extra, route="auto"):
     return result
 
 
+@pytest.mark.slow   # (the default run keeps local steps with THC, the automatic route's mode; bench_parity measures this)
 def test_cacheaware_with_its_defaults_matches_dense(tmp_path, dense):
     """``Compression.cacheaware(density=0.01)`` with no other option: momentum correction (SGD
     with momentum), the density warm-up and the largest single entries beside fewer blocks

@@ -66,6 +66,7 @@ def test_stalled_rank_hits_the_deadline():
     assert "ending the job on every rank" in out
 
 
+@pytest.mark.slow   # (the deadline's own test is test_stalled_rank_hits_the_deadline)
 def test_a_rank_that_stalls_in_an_inner_step_is_named_by_its_cluster():
     """Local steps' inner steps reduce on the cluster's channel, off the negotiation: a rank that
     never comes still ends the job at the deadline, named by its cluster's other rank."""
@@ -108,7 +109,8 @@ def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     assert "finished without noticing" not in out
 
 
-@pytest.mark.parametrize("mode,what", [("late_import", "MPI_Init did not complete within 8 s"),
+@pytest.mark.parametrize("mode,what", [pytest.param("late_import", "MPI_Init did not complete within 8 s",
+                                                    marks=pytest.mark.slow),   # (stop_at_start: before MPI_Init too)
                                        # before MPI_Init nobody can be asked; the watchdogs look at the
                                        # ranks under the same hydra proxy (found by the chaos soak)
                                        ("stop_at_start", r"rank 1 \(host [^,]+, pid \d+\) is stopped"),
@@ -116,8 +118,8 @@ def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
                                        # the others wait for rank 1 at their end, and their collective
                                        # thread's idle round may have been waiting for it already (it
                                        # started first, so its deadline passes first): both say so
-                                       ("stop_at_exit", "(the end of the program|negotiation round) did not "
-                                                        "complete within 8 s")])
+                                       pytest.param("stop_at_exit", "(the end of the program|negotiation round) "
+                                                    "did not complete within 8 s", marks=pytest.mark.slow)])
 def test_start_and_end_have_deadlines(mode, what):
     """A rank frozen before MPI_Init, before hvd.init() or at the end of the program: the others
     end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""

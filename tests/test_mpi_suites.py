@@ -15,6 +15,7 @@ DEVICE = ["tests/mpi/test_device_route.py"]
 DENSE = PYTEST[:7] + ["tests/mpi/test_collectives.py", "tests/mpi/test_optimizer.py"]
 SPARSE = PYTEST[:7] + ["tests/mpi/test_sparse.py", "tests/mpi/test_thc.py", "tests/mpi/test_chunked.py"]
 FRAGMENTS = "tests/mpi/test_local_steps_fragments.py"
+CHANNEL = "tests/mpi/test_local_steps_channel.py"
 
 # (name, ranks, environment, suites): the dense suites run on every layout, the sparse
 # route on the layouts where it differs (two clusters, uneven, three clusters); the layouts marked
@@ -23,15 +24,18 @@ LAYOUTS = [
     ("np2-one-cluster", 2, {}, PYTEST),
     # (local steps' agreement and refusals, and their fragments, run in np3-uneven-2+1: two clusters, one of two
     # ranks; the fragments also in np4-2x2-fragments)
-    ("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"}, ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py",
-                                                             "--ignore", FRAGMENTS]),
+    # (slow: two clusters of one rank each are in the default run's labels a,b,a, beside a cluster of two)
+    pytest.param("np2-two-clusters", 2, {"STELLA_CLUSTERS": "2"},
+                 ALL + ["--ignore", "tests/mpi/test_local_steps_safety.py", "--ignore", FRAGMENTS],
+                 marks=pytest.mark.slow),
     pytest.param("np3-one-cluster", 3, {}, DENSE, marks=pytest.mark.slow),
     # (every suite on uneven clusters runs by default with interleaved labels: test_suites_on_uneven_interleaved_clusters)
     pytest.param("np3-uneven-2+1", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, ALL,
                  marks=pytest.mark.slow),
     pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),   # gloo runs in np2-one-cluster, uneven clusters in np3-uneven-2+1
-    ("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE),
+    # (slow: three clusters or more, and the sparse route's sum over them, run in np4-four-clusters-tree)
+    pytest.param("np3-three-clusters", 3, {"STELLA_CLUSTERS": "3"}, SPARSE, marks=pytest.mark.slow),
     ("np4-four-clusters-tree", 4, {"STELLA_CLUSTERS": "4", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
     pytest.param("np4-2x2-mpi", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"}, PYTEST,
                  marks=pytest.mark.slow),   # every suite with the mpi backend runs in np3-uneven-2+1
@@ -39,13 +43,14 @@ LAYOUTS = [
     # default ("auto") in np2-one-cluster (the dense suites) and np4-2x2-device-path (2 x 2)
     pytest.param("np4-2x2-gloo", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),
-    # Streaming DiLoCo's fragments, and the inner steps' channel, on two clusters of two ranks
-    ("np4-2x2-fragments", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"},
-     PYTEST[:7] + [FRAGMENTS, "tests/mpi/test_local_steps_channel.py"]),
+    # Streaming DiLoCo's fragments, and the inner steps' channel, on two clusters of two ranks (in the
+    # default run they go with the device path's layout, one launch less)
+    pytest.param("np4-2x2-fragments", 4, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "mpi"},
+                 PYTEST[:7] + [FRAGMENTS, CHANNEL], marks=pytest.mark.slow),
     # the CUDA route's code (torch-op selection, device-side scatter) on CPU tensors: every sparse
     # and CPU-engine check of the host route must hold on it too
     ("np4-2x2-device-path", 4, {"STELLA_CLUSTERS": "2", "STELLA_DEVICE_PATH": "torch"},
-     SPARSE + ["tests/mpi/test_cpu_engine.py"] + DEVICE),
+     SPARSE + ["tests/mpi/test_cpu_engine.py"] + DEVICE + [FRAGMENTS, CHANNEL]),
 ]
 
 

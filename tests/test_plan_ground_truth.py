@@ -33,6 +33,7 @@ def test_four_ranks_in_two_clusters():
     _check(300, np_=4, clusters=2)
 
 
+@pytest.mark.slow   # (the default run keeps 4 ranks in 2 clusters)
 def test_four_ranks_in_four_clusters():
     _check(300, np_=4, clusters=4)
 

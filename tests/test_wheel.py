@@ -24,7 +24,8 @@ import pytest
 
 from mpi_launch import ROOT
 
-pytestmark = pytest.mark.mpi
+# (slow: a fresh venv and a wheel build; the default run imports the package from the tree)
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 
