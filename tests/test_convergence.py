@@ -2,11 +2,13 @@
 standard-library sources, 4 ranks in 2 clusters, the same seeds and steps for each run, against
 dense training with Horovod's exact numerics (``stellarun --wan-route dense``).
 
-In the default run, each with its defaults only (this release's: momentum correction for SGD,
-the density warm-up, cache-aware singles 0.7; the CPU engine's 150 synchronous steps first and
-stale prediction): ``Compression.cacheaware(density=0.01)`` within 2 % of dense's final
-held-out loss, the CPU engine at staleness 1 with top-k within 3 %, local steps every 8 steps
-with 4-bit THC pseudo-gradients within 2 %. With -m slow also: ``topk`` within 2 %, the
+Every case here is in the long tier (``scripts/run_long_tests.sh``, -m slow: the default
+run's 10 minutes; the default run trains both routes in tests/test_example.py), each with its
+defaults only (this release's: momentum correction for SGD, the density warm-up, cache-aware
+singles 0.7; the CPU engine's 150 synchronous steps first and stale prediction):
+``Compression.cacheaware(density=0.01)`` within 2 % of dense's final held-out loss, the CPU
+engine at staleness 1 with top-k within 3 %, local steps every 8 steps with 4-bit THC
+pseudo-gradients within 2 %; and: ``topk`` within 2 %, the
 previous release's defaults (no correction, no warm-up, blocks only), DiLoCo's outer Nesterov,
 top-k pseudo-gradients, and error feedback on and off. The four-seed figures are bench/bench_parity.py's. Longer versions of the
 same comparison: examples/train_horovod.py with more --steps, or bench/bench_time_to_loss.py
@@ -20,7 +22,7 @@ import pytest
 
 from mpi_launch import ROOT
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 STEPS = 500
 

@@ -65,6 +65,7 @@ def test_horovod_timeline_variable(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f != "timeline.json"]   # rank 0 only, as Horovod
 
 
+@pytest.mark.slow   # (the default run writes the timeline through HOROVOD_TIMELINE)
 def test_start_timeline_every_rank_with_cycles(tmp_path):
     _run(tmp_path, {}, [str(tmp_path / "tl.{rank}.json"), "api"])
     for rank in range(4):

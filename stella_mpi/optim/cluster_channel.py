@@ -43,7 +43,7 @@ from ..comm.hierarchy import compute_dtype
 from ..comm.messages import allgather_json
 from ..core import state
 from ..core.collective_thread import Op
-from ..core.fusion import scale
+from ..core.fusion import scale, unfuse
 from ..core.nonfinite import has_nonfinite
 
 JOINED = ("hvd.join() is not supported with hvd.LocalSteps on clusters of several ranks: their inner steps "
@@ -260,14 +260,7 @@ class ClusterLane:
             factor = postscale / ch.size if average else postscale
             if factor != 1.0:
                 scale(body, factor)
-            pos = 0
-            for t in tensors:
-                k = t.numel()
-                if t.is_contiguous():
-                    t.view(-1).copy_(body[pos:pos + k])
-                else:
-                    t.copy_(body[pos:pos + k].view(t.shape))
-                pos += k
+            unfuse(body, tensors)
             return tensors
         return reduced
 
