@@ -14,7 +14,7 @@ c_tests() {
     done
 }
 # the C tests need only cmake and a compiler: they build and run while pip fills the venv
-# (about 40 s of the fresh clone's 13 minutes)
+# (about 40 s of the fresh clone's 9 minutes)
 c_pid=""
 if command -v cmake >/dev/null; then
     mkdir -p build
