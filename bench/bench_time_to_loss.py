@@ -112,6 +112,14 @@ MODES = {
     "local8+f4+thc": ["--mode", "local:8:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "1"],
     "local32+f4+sparseloco": ["--mode", "local:32:sparseloco", "--density", "0.01", "--bits", "2",
                               "--feedback-decay", "0.95", "--fragments", "4", "--fragment-delay", "1"],
+    # torchft-streaming32's own recipe on stella: H=32, 4 fragments, 3 steps in flight, outer
+    # Nesterov, the pseudo-gradient uncompressed (the same algorithm, to tell the implementations
+    # apart from the automatic route's choices)
+    "diloco32+f4": ["--mode", "diloco:32", "--fragments", "4", "--fragment-delay", "3"],
+    "diloco32+f4+thc": ["--mode", "diloco:32:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "3"],
+    # ... and without the fragments, at the automatic route's H at 1 Gbit/s (16) and torchft's (32)
+    "diloco16+thc": ["--mode", "diloco:16:thc", "--bits", "4"],
+    "diloco32+thc": ["--mode", "diloco:32:thc", "--bits", "4"],
     # the limit (issue 31): the same 4 ranks as one cluster, no link limit, dense; and each rank
     # training alone with no exchange at all (the compute-only step time of the utilisation)
     "limit": ["--mode", "dense"],
