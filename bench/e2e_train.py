@@ -184,6 +184,13 @@ class StepLedger:
                             self.comm.Iallreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)))
         return self._take(len(self.flight) - self.lag)
 
+    def slowest(self, clock):
+        """The largest of the ranks' ``clock`` (blocking: every rank calls it at the same step;
+        an evaluation's own time, taken out of the training clocks)."""
+        buf = np.array([clock], dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return float(buf[0])
+
     def finish(self):
         """The steps still in flight (every rank calls it after the same step)."""
         return self._take(len(self.flight))
@@ -338,12 +345,6 @@ def main():
                 loss = torch.nn.functional.cross_entropy(model(vx), vy).item()
             return sum_over_ranks([loss])[0] / size
 
-    def clock_now():
-        """The slowest rank's clock now (every rank calls it at the same step)."""
-        buf = np.array([time.perf_counter() - t0 - paused])
-        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-        return float(buf[0])
-
     records, reached, curve = [], None, []
     ledger, own = StepLedger(MPI.COMM_WORLD), {}
     MPI.COMM_WORLD.Barrier()
@@ -384,7 +385,7 @@ def main():
                 break
         if args.eval_seconds and (over or (records and records[-1]["elapsed_s"] >= next_eval)):
             e0 = time.perf_counter()
-            elapsed = clock_now()
+            elapsed = ledger.slowest(time.perf_counter() - t0 - paused)
             curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
             while next_eval <= elapsed:
                 next_eval += args.eval_seconds

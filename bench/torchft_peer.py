@@ -303,12 +303,6 @@ def main():
             comm.Allreduce(MPI.IN_PLACE, buf)   # (not comm.allreduce: that one holds the GIL while it waits)
             return float(buf[0]) / size
 
-    def clock_now():
-        """The slowest rank's clock now (every rank calls it at the same step)."""
-        buf = np.array([time.perf_counter() - t0 - paused])
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-        return float(buf[0])
-
     records, reached, curve = [], None, []
     ledger, own = StepLedger(comm), {}
     comm.Barrier()
@@ -349,7 +343,7 @@ def main():
                 break
         if args.eval_seconds and (over or (records and records[-1]["elapsed_s"] >= next_eval)):
             e0 = time.perf_counter()
-            elapsed = clock_now()
+            elapsed = ledger.slowest(time.perf_counter() - t0 - paused)
             curve.append({"seconds": elapsed, "step": step, "validation_loss": held_out_loss()})
             while next_eval <= elapsed:
                 next_eval += args.eval_seconds

@@ -92,6 +92,19 @@ def test_a_rank_that_joins_during_inner_steps_ends_the_job_naming_it():
     assert "finished without noticing" not in out
 
 
+@pytest.mark.slow   # (the default run has the channel's join case; this is its mispairing check)
+def test_an_inner_step_buffer_that_pairs_with_another_collective_ends_the_job():
+    """Rank 1's lane carries another number, as a buffer from another optimizer or bucket would:
+    its cluster's ranks see the sums disagree at the first inner step and end the job, never
+    applying the mixed sum."""
+    proc, elapsed = _launch("mispaired_inner_step")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, elapsed
+    assert "paired with another collective on a rank of its cluster" in out, out[-3000:]
+    assert "finished without noticing" not in out
+
+
 def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     """mpi4py's pickle-based comm.allreduce (comm.gather, comm.reduce) holds Python's GIL while it
     waits for the other ranks, so stella_mpi's collective thread on that rank cannot run and its

@@ -116,7 +116,7 @@ if mode == "freeze_in_op":
         hvd.allreduce(torch.ones(1000), name="fz.%d" % step)
     print("rank %d finished without noticing the failure" % hvd.rank())
     raise SystemExit(0)
-if mode in ("join_in_inner_steps", "stall_in_inner_step"):
+if mode in ("join_in_inner_steps", "stall_in_inner_step", "mispaired_inner_step"):
     # local steps on two clusters of two ranks: at step 3 rank 1 calls hvd.join() (as if out of
     # batches) or stalls, while rank 0, its cluster's other rank, waits for its gradients on the
     # cluster's channel, off the negotiation (optim/cluster_channel.py). H is longer than the
@@ -125,6 +125,8 @@ if mode in ("join_in_inner_steps", "stall_in_inner_step"):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), local_steps=hvd.LocalSteps(every=100000))
     assert (opt._route.channel is not None) == (hvd.global_process_set.topology.cluster_size > 1)
+    if mode == "mispaired_inner_step" and hvd.rank() == 1:
+        opt._route.channel.number += 1   # as if its buffers belonged to another optimizer's lane
     for step in range(1000):
         if step == 3 and hvd.rank() == 1:
             if mode == "stall_in_inner_step":

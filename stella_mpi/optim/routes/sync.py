@@ -97,7 +97,7 @@ class SyncRoute:
     bucket with the non-finite policy, and the user's step."""
     kind = None
     bucket_class = SyncBucket
-    channel = None   # the cluster route's ClusterLane (DenseRoute kind "cluster"), or None
+    channel = None   # the cluster route's ClusterLane (DenseRoute kind "cluster", on a cluster of several ranks)
 
     def __init__(self, opt, process_set, op=Average, predivide=1.0, local_clip=None):
         self.opt = opt
@@ -356,7 +356,6 @@ class DenseRoute(SyncRoute):
         super().__init__(opt, process_set, op, predivide, local_clip)
         self.compression = compression
         self.kind = kind
-        self.channel = None   # kind "cluster" on a cluster of several ranks: its lane of the ClusterChannel
         if kind == "cluster" and process_set.included() and ClusterChannel.usable(process_set):
             self.channel = ClusterChannel.shared(process_set).lane(
                 [(opt._names[p], p) for p in opt._params], [b.params for b in opt._sync_buckets])
