@@ -105,6 +105,7 @@ def test_an_inner_step_buffer_that_pairs_with_another_collective_ends_the_job():
     assert "finished without noticing" not in out
 
 
+@pytest.mark.slow   # (the default run's 10 minutes: a stalled rank is named by test_stalled_rank_hits_the_deadline)
 def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     """mpi4py's pickle-based comm.allreduce (comm.gather, comm.reduce) holds Python's GIL while it
     waits for the other ranks, so stella_mpi's collective thread on that rank cannot run and its
