@@ -78,6 +78,14 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
     "local16+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "16"],
     # issue 31: the pseudo-gradient compressed SparseLoCo's way (chunked top-k, 2 bits) and DeMo's (DCT)
     "diloco8+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "8", "--outer", "nesterov"],
+    # the outer Nesterov's period H with THC 4-bit pseudo-gradients, and Streaming DiLoCo's schedule
+    # (the adjuster's H rule: adjust/local_steps_rule.py)
+    **{"diloco%d+thc4" % h: ["--compression", "thc", "--bits", "4", "--local-steps", str(h), "--outer", "nesterov"]
+       for h in (2, 4, 16, 32, 64)},
+    "diloco32+f4+delay3+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "32", "--outer", "nesterov",
+                                "--fragments", "4", "--fragment-delay", "3"],
+    "diloco16+f4+delay3+thc4": ["--compression", "thc", "--bits", "4", "--local-steps", "16", "--outer", "nesterov",
+                                "--fragments", "4", "--fragment-delay", "3"],
     "diloco8+sparseloco1": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2", "--local-steps", "8",
                             "--outer", "nesterov"],
     "local8+sparseloco1:ef95": ["--compression", "sparseloco", "--density", "0.01", "--bits", "2",
