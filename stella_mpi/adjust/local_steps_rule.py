@@ -32,11 +32,17 @@ longer fits, move at once to the smallest H that fits (when none does: the large
 or the current H if it is larger still).
 The ladder is ``Adjuster.local_steps``. A smaller H costs more exchanges; a larger one lets the
 clusters drift apart for longer, which this rule does not measure: the loss is not seen, so
-the time-to-loss objective is refused with local steps alone. (With ``Adjuster(modes=("sync",
-"local"))`` this rule still chooses H inside local steps, from ``target``; the time-to-loss
-objective compares the modes, charging the drift by a shape: :mod:`.mode_rule`.)
+the time-to-loss objective is refused with local steps alone.
+
+With ``Adjuster(modes=("sync", "local"))`` (and on the automatic route) H is chosen by the
+time-to-loss objective instead (``LocalStepsRule.score``, the mode rule's score of the rung in
+force: :mod:`.mode_rule`): the ladder's least score, the exchange amortized over H against the
+drift and what the outer step makes of a period of H. On the byte LM the step-time budget
+chose H = 2 to 16 at 1 Gbit/s, where DiLoCo's outer Nesterov needs 1.3 to 9 times the steps it
+needs at H = 32 (optim/tuning.py's ``OUTER_MOMENTUM_PERIOD``).
 """
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from .controller import _median, budget_move
 
@@ -67,6 +73,18 @@ def exchange_ratio(target, compute_s, exchange_s, every, wire_s=None):
     return blocked / every / allowed
 
 
+def blocked_time(compute_s, exchange_s, every, wire_s=None):
+    """Seconds a period of H = ``every`` steps blocks on its exchange: ``exchange_s``, plus with
+    overlap what of the wire the H steps do not hide."""
+    return exchange_s + (max(0.0, wire_s - every * compute_s) if wire_s is not None else 0.0)
+
+
+def best_scored(ladder, score):
+    """The H on ``ladder`` whose ``score(H)`` (time to the loss: lower is better) is least, the
+    smaller H on a tie (the clusters meet more often)."""
+    return min(sorted(ladder), key=lambda h: (score(h), h))
+
+
 def smallest_fitting(ladder, target, compute_s, exchange_s, wire_s=None):
     """The smallest H on ``ladder`` that fits the budget; the largest when none does (the rule's
     choice without hysteresis: the H local steps start from when the adjuster switches to them)."""
@@ -76,10 +94,19 @@ def smallest_fitting(ladder, target, compute_s, exchange_s, wire_s=None):
 
 @dataclass
 class LocalStepsRule:
-    """The H decisions of one optimizer (one instance per rank, fed the same averages)."""
+    """The H decisions of one optimizer (one instance per rank, fed the same averages).
+
+    ``score``: None, the step-time budget above; or ``score(compute_s, blocked_s, every)``, the
+    time-to-loss objective's score of a period of H = ``every`` (the mode rule's, for the rung in
+    force: :meth:`.mode_rule.ModeRule.period_score`), and H is the ladder's least score: the
+    exchange amortized over H against what the outer step makes of a period of H (with an outer
+    Nesterov, a short period is worse per step, not better: optim/tuning.py's
+    ``OUTER_MOMENTUM_PERIOD``). Hysteresis as the mode rule's: another H is taken when its score is
+    below ``1 - h/2`` times the current one's in two decisions running."""
     settings: object          # AdjusterSettings: target, hysteresis, window, local_steps (the ladder)
     every: int                # the current H
-    _smaller: list = field(default_factory=list)   # the smaller H that fitted in the last decisions
+    score: Optional[Callable] = None
+    _smaller: list = field(default_factory=list)   # the smaller H that fitted (scored: the H that won) lately
     _recent: list = field(default_factory=list)    # (compute_s, exchange_s, wire_s) of the last exchanges
 
     def restart(self, every):
@@ -98,6 +125,8 @@ class LocalStepsRule:
         exchange_s = _median([x for _, x, _ in self._recent])
         wire_s = None if wire_s is None else _median([w for _, _, w in self._recent if w is not None])
         cur = self.every
+        if self.score is not None:
+            return self._scored(compute_s, exchange_s, wire_s)
         # the ladder from the most conservative (the longest period) to the most faithful, the
         # current H in it even when it is off the ladder (kept while it fits)
         order = sorted(set(self.settings.local_steps + (cur,)), reverse=True)
@@ -113,3 +142,21 @@ class LocalStepsRule:
             reason, 1e3 * compute_s, 1e3 * exchange_s, "" if wire_s is None else " (wire %.1f ms, overlapped)" %
             (1e3 * wire_s), new, 1.0 + (self.settings.target - 1.0) * fits.get(new, self.ratio(
                 compute_s, exchange_s, new, wire_s)), self.settings.target)
+
+    def _scored(self, compute_s, exchange_s, wire_s):
+        """The time-to-loss choice of H (``score`` set), from the window's medians."""
+        cur = self.every
+        scores = {h: self.score(compute_s, blocked_time(compute_s, exchange_s, h, wire_s), h)
+                  for h in set(self.settings.local_steps + (cur,))}
+        best = best_scored(scores, scores.get)
+        if best != cur and scores[best] < (1.0 - self.settings.hysteresis / 2) * scores[cur]:
+            self._smaller = (self._smaller + [best])[-2:]
+        else:
+            self._smaller = []
+        moved = len(self._smaller) == 2 and self._smaller[0] == self._smaller[1]
+        if moved:
+            self.every, self._smaller = best, []
+        return self.every, "%s: compute %.1f ms per step, exchange %.1f ms%s; H=%d scores %.4f%s" % (
+            "H=%d reaches the loss sooner" % best if moved else "steady", 1e3 * compute_s, 1e3 * exchange_s,
+            "" if wire_s is None else " (wire %.1f ms, overlapped)" % (1e3 * wire_s), self.every, scores[self.every],
+            "".join(", H=%d %.4f" % (h, scores[h]) for h in sorted(scores) if h != self.every))

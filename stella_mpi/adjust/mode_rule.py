@@ -8,8 +8,16 @@ seconds per step, weighted by the gradient mass the mode holds back::
     sync     score = the controller's score of its current rung:
                      step(d) * (1 + backlog_cost * kappa * sqrt((1 - d) / d))
     local H  score = (step_local + exchange / H) * (1 + backlog_cost * (kappa * local_shape(H) + pseudo))
+                     * period(H)
 
     local_shape(H) = (1 - 1/C) * sqrt((H - 1) / 2)
+
+``period(H)`` is the rung's outer step's own cost of a period of H (:class:`PseudoRung`): the inner
+steps it needs to reach a loss at H over those at its best H. For an outer step with momentum
+(the automatic route's DiLoCo Nesterov on THC) it is measured (optim/tuning.py's
+``outer_period_cost``: least at H = 32, 1.33 at 16, 1.62 at 8, 9.3 at 2 on the byte LM): a short
+period is worse per step, not better, and the drift alone (the shape) would send every rung to
+the ladder's longest H. Without momentum it is 1.
 
 The sparse route holds an entry back for about 1/d steps and keeps it in the error-feedback
 residual, whose norm over the gradient's grows like sqrt((1 - d) / d) (kappa is that ratio's
@@ -48,8 +56,8 @@ What each side is predicted from:
     to H=8 three periods later).
 
   With ``overlap`` the whole exchange is counted, though part of it would hide: on the side of
-  staying synchronous. H is the one the local-steps rule would choose without hysteresis
-  (:func:`.local_steps_rule.smallest_fitting`).
+  staying synchronous. H is the ladder's least score (the local-steps rule's choice without
+  hysteresis).
 * In local mode, every exchange: the measured compute per local step and exchange time (with
   overlap, also the wire time beyond the H steps it runs beside). The bandwidth is the
   pseudo-gradient's payload over the exchange's time (with overlap, its wire time); an
@@ -61,10 +69,10 @@ The pseudo-gradient's rung (``Adjuster(pseudo_rungs=...)``; on the automatic rou
 and SparseLoCo's 2-bit chunked top-k at 1 % and 3 %): each rung is scored as local steps at the
 H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``), and the
 best one is the local side of the comparison. So the adjuster chooses the bits and the density
-of the outer sync by the time-to-loss objective, each at the H its exchange needs (H itself stays
-the local-steps rule's: chosen by the score over the whole ladder, every rung ran at H=64 on the
-byte LM and lost, docs/guides/local-steps.md): a smaller payload lets H fall (the clusters meet
-more often) but holds more back. Entering local steps, the best rung is taken; in local
+of the outer sync by the time-to-loss objective, each at its least-scored H (the local-steps
+rule, fed the score of the rung in force, chooses H inside local steps the same way: without the
+``period`` cost every rung went to H=64 on the byte LM and lost, docs/guides/local-steps.md): a
+smaller payload lets H fall (the clusters meet more often) but holds more back. Entering local steps, the best rung is taken; in local
 mode, each exchange also scores the other rungs, their exchange predicted from the measured one
 (its transfer scaled by the payloads' ratio, the latency and ``cpu_s`` kept), and a rung that
 wins by the dead band twice running is taken at its H. The rungs share the exchange's
@@ -84,9 +92,12 @@ delay of inner steps::
 its delay hides them as it hides the wire; what they slow the steps by is measured and charged
 as the schedule's overhead, below), with the delay the fewest steps that hide one fragment's
 whole exchange (:func:`delay_for`), below H/F,
-and H per F the smallest on the ladder that fits the budget. Local steps start with the
-whole-model blocking exchange; a schedule is taken from a measured phase, as a rung is (its
-kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
+and H per F the ladder's least score (a multiple of F with room for the delay). Local steps start with the
+schedule the prediction scores best (on the byte LM, at 1 Gbit/s, a blocking exchange of THC
+every 32 steps was predicted at 21 ms and measured at 200-300 ms of encoding, decoding and outer
+step on 2 cores: from a measured blocking phase, the delayed schedule won by less than the dead
+band, and the run stayed blocking); in local mode a schedule is taken from the measured phase, as
+a rung is (its kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
 scored at the step the blocking schedule last measured, and what the schedule cost beyond the
 model (blocked time, and steps slower than that) is remembered per kind (``overheads``) and
 charged to it from then on, so a schedule that does not pay is left, and tried again only
@@ -103,7 +114,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 from .controller import Controller, Estimate
-from .local_steps_rule import smallest_fitting
+from .local_steps_rule import best_scored, blocked_time
 
 
 def local_step_time(est):
@@ -180,10 +191,14 @@ class PseudoRung:
 
     ``name``: as the logs write it; ``payload_per_entry``: wire bytes one rank sends per shard
     entry; ``backlog(est, every)``: what it holds back at H = ``every``, in the controller's unit (the backlog the
-    synchronous rung of that compression leaves: a sparse density's, THC bits')."""
+    synchronous rung of that compression leaves: a sparse density's, THC bits'); ``period(every)``:
+    the inner steps the rung's outer step needs at H = ``every`` to reach a loss, over what it
+    needs at its best H (1 there; None: 1 at every H; optim/tuning.py's ``outer_period_cost`` for
+    an outer step with momentum), a factor of the score."""
     name: str
     payload_per_entry: float
     backlog: Callable
+    period: Callable = None   # every -> the steps the outer step needs at that H, over its best H's (None: 1)
 
 
 @dataclass(frozen=True)
@@ -242,7 +257,8 @@ class ModeRule:
     def local_score(self, est, step_s, exchange_s, every, rung=None, delay=0):
         r = self.rung if rung is None else self.pseudo[rung]
         held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay) + r.backlog(est, every)
-        return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held)
+        period = r.period(every) if r.period is not None else 1.0
+        return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held) * period
 
     def sync_score(self, est):
         """The controller's score of its current rung under ``est``."""
@@ -266,13 +282,23 @@ class ModeRule:
         wire = latency + 8.0 * now / max(est.bandwidth_bps, 1.0)
         return latency + est.elements * per_entry / max(now, 1.0) * wire
 
+    def period_score(self, delay=0):
+        """The score of a period of the current rung, ``(compute_s, blocked_s, every) -> score``
+        (the local-steps rule's H by time to loss: :class:`.local_steps_rule.LocalStepsRule`), or
+        None without a synchronous estimate (a checkpoint without one: H by the step-time budget
+        until there is one)."""
+        est = self.sync_estimate
+        if est is None:
+            return None
+        return lambda compute_s, blocked_s, every: self.local_score(est, compute_s, blocked_s, every, None, delay)
+
     def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None):
         """Local steps through ``rung``: at H = ``every``, or the H the local-steps rule would
-        choose (:func:`.local_steps_rule.smallest_fitting`, no hysteresis)."""
-        s = self.settings
+        choose without hysteresis (the ladder's least score)."""
         if every is None:
-            every = smallest_fitting(s.local_steps, s.target, step_s, exchange_s, wire_s)
-        blocked = exchange_s + (max(0.0, wire_s - every * step_s) if wire_s is not None else 0.0)
+            every = best_scored(self.settings.local_steps, lambda h: self.local_score(
+                est, step_s, blocked_time(step_s, exchange_s, h, wire_s), h, rung))
+        blocked = blocked_time(step_s, exchange_s, every, wire_s)
         return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
 
     def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None):
@@ -292,18 +318,14 @@ class ModeRule:
         for f in s.fragments:
             per_landing, slower = self.overheads.get((f, True), overhead or (0.0, 0.0))
             step = step_s + slower
-            allowed = max((s.target - 1.0) * step, 1e-9)
-            chosen = None
+            scored = []
             for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
                 sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s))
                 blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched) + f * per_landing
-                chosen = (h, sched, blocked)
-                if blocked / h <= allowed:
-                    break
-            if chosen is not None:
-                h, sched, blocked = chosen
-                options.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay),
-                                           sched))
+                scored.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay),
+                                          sched))
+            if scored:
+                options.append(min(scored, key=lambda o: (o.score, o.every)))
         return options
 
     def _best(self, options):
@@ -316,9 +338,14 @@ class ModeRule:
         ``predicted_every`` through rung ``pseudo_index``)."""
         self.sync_estimate = est
         step_local = local_step_time(est)
-        # local steps start with the whole model's blocking exchange: a schedule of fragments or a
-        # delay is tried from a local phase's measured exchange (after_local), and kept if it wins
-        options = [self._option(est, i, step_local, self._predicted_exchange(est, i)) for i in range(len(self.pseudo))]
+        # each rung at its best schedule as predicted (with ``schedules``: fragments in flight beside
+        # the steps; what a schedule costs beyond the model is measured in the local phase, and
+        # after_local goes back to the blocking exchange if it does not pay)
+        options = []
+        for i in range(len(self.pseudo)):
+            x = self._predicted_exchange(est, i)
+            options.append(self._best(self._schedules(est, i, step_local, est.cpu_s, max(x - est.cpu_s, 0.0),
+                                                      self._option(est, i, step_local, x))))
         best = self._best(options)
         here = self.sync_score(est)
         link = self.link_bps or est.bandwidth_bps

@@ -26,8 +26,9 @@ class AdjusterSettings:
     objective: "time_to_loss" (default: the least time per sample weighted by the
         error-feedback backlog, see :mod:`.controller`) or "step_time" (keep the step within
         ``target`` times compute).
-    target: "step_time", and the choice of local steps' H (also under ``modes``): allowed step
-        time as a multiple of compute time (forward + backward), > 1.
+    target: "step_time", and the choice of local steps' H without ``modes``: allowed step time as
+        a multiple of compute time (forward + backward), > 1. (Under ``modes``, and on the
+        automatic route, H is chosen by the time-to-loss objective: :mod:`.local_steps_rule`.)
     backlog_cost: "time_to_loss" only: the share of a step's progress one unit of the
         residual-to-gradient norm ratio costs (calibrated on the byte-level LM).
     allow_accumulation: when even ``min_density`` cannot be hidden, raise
@@ -44,8 +45,8 @@ class AdjusterSettings:
         defaults otherwise). They sit on the ladder after the sparse densities below 1 and
         before dense. Empty (the default): densities only. Time-to-loss objective only.
     local_steps: the ladder of local steps H the adjuster chooses from for an optimizer with
-        ``local_steps=hvd.LocalSteps(...)`` (by ``target``: see :mod:`.local_steps_rule`; the
-        step-time objective, or ``modes``); unused otherwise.
+        ``local_steps=hvd.LocalSteps(...)`` (by ``target`` with the step-time objective, by time
+        to loss under ``modes``: see :mod:`.local_steps_rule`); unused otherwise.
     modes: ("sync", "local") lets the adjuster move between the synchronous route (its
         densities and THC rungs) and local steps (its H ladder), on every rank at the same step
         (:mod:`.mode_rule`), by the time-to-loss objective. The automatic route (a job across

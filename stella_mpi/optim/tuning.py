@@ -331,6 +331,29 @@ def sparse_pseudo_factor(every):
     return max(PSEUDO_SPARSE_EVERY / every, math.sqrt(every / PSEUDO_SPARSE_EVERY))
 
 
+# The inner steps an outer step with momentum (the automatic route's DiLoCo Nesterov, lr 0.7,
+# momentum 0.9, on THC 4-bit pseudo-gradients) needs to reach a loss at period H, over what it
+# needs at H = 32: the least there, far more at short periods, where the outer momentum compounds
+# over a few steps' progress (at H = 2 it trained worse than dense synchronous SGD), a little more
+# at 64. Measured with ``bench/bench_parity.py --hidden 1024 --lr 0.05 --steps 600`` (the
+# time-to-loss bench's byte LM, 2 clusters of 2 ranks), seeds 0 and 1: held-out loss over dense
+# +27.8, +10.6, +0.7, -3.5, -8.5 and -6.8 % at H = 2 to 64 (bench/results/parity_outer_period.json);
+# each loss converted to the steps dense training needed to reach it on its measured curve (1500
+# steps, evaluated every 50) and taken over H = 32's. Interpolated in log H between the measured
+# points, extrapolated from the end segments.
+OUTER_MOMENTUM_PERIOD = ((2, 9.33), (4, 2.98), (8, 1.62), (16, 1.33), (32, 1.0), (64, 1.08))
+
+
+def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
+    """The inner steps the automatic route's outer Nesterov needs at H = ``every``, over its
+    best H's (:data:`OUTER_MOMENTUM_PERIOD`)."""
+    x = math.log2(max(float(every), 1.0))
+    pts = [(math.log2(h), math.log(c)) for h, c in table]
+    i = max(1, min(len(pts) - 1, next((k for k, (px, _) in enumerate(pts) if px >= x), len(pts) - 1)))
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
 def _backlog_of(controller, comp):
     return lambda est, every: pseudo_backlog(controller, est, comp, every)
 
@@ -457,12 +480,22 @@ class ModeSwitch:
             # (a fragment holds at least one parameter: F above their count is not offered)
             fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
             self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
-                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c))
-                                  for n, c in zip(self.rung_names, self.rungs)],
+                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c),
+                                             outer_period_cost if m > 0 else None)
+                                  for n, c, m in zip(self.rung_names, self.rungs,
+                                                     self._outer_momenta(local, nclusters))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)))
             local.schedules_chosen = self.rule.schedules
+
+    def _outer_momenta(self, local, nclusters):
+        """Per rung, the momentum of the outer step it runs with: the automatic route's for that
+        rung, else the user's outer optimizer's (0 for averaging and the clusters' sum)."""
+        if self.rung_outers:
+            return [hp.get("momentum", 0.0) for hp in self.rung_outers]
+        groups = [g for outer in local.outers for g in outer.param_groups]
+        return [max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)] * len(self.rungs)
 
     @property
     def pseudo(self):
@@ -639,6 +672,8 @@ class ModeSwitch:
         Nesterov for THC), its state cleared when they change (a momentum of the other rung's
         steps); the user's outer optimizer is left as it is."""
         self.local.exchange.comp = self.pseudo
+        if self.rule is not None and self.local.rule is not None:   # H by time to loss, for this rung
+            self.local.rule.score = self.rule.period_score()
         hp = self.rung_outers[self.rule.pseudo_index] if self.rung_outers and self.rule is not None else None
         if hp is None:
             return

@@ -790,7 +790,9 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
         if step == 2:
             tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
         if step == 12:
-            assert opt.mode == "local" and tuner.schedule == Schedule(1, 0)
+            # (local steps entered with the schedule the rule predicted: blocking or delayed)
+            assert opt.mode == "local" and "local reaches the loss sooner: local steps H=4%s" % (
+                tuner.schedule.describe()) in opt.mode_switches[-1][2], opt.mode_switches
             tuner.rule.predicted_schedule = Schedule(2, 1)
             tuner._take_rung(8)
             _assert_same_everywhere(model)   # (the phase starts from the clusters' agreed parameters)

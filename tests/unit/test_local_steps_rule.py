@@ -83,3 +83,62 @@ def test_period_times_take_a_clusters_last_shard_and_the_earliest_cluster():
     # later, so its ranks waited less for the other cluster
     assert period_times([[0.010, 0.030, 0.050, 0], [0.010, 0.002, 0.080, 0],
                          [0.012, 0.020, 0.040, 1], [0.012, 0.001, 0.070, 1]]) == (0.012, 0.001, 0.070)
+
+
+# ---------------- H by time to loss (the automatic route and Adjuster(modes=...): ``score`` set)
+
+def scored_rule(every, score, **kw):
+    r = LocalStepsRule(Adjuster(modes=("sync", "local"), window=1, **kw), every)
+    r.score = score
+    return r
+
+
+def test_with_a_score_h_is_the_ladder_least_score_after_two_decisions():
+    # time per step with the exchange amortized, times a period cost least at 32 (an outer
+    # Nesterov's): at 10 ms per step and 30 ms of exchange, 32 beats 16 (1.9 ms a step) by its cost
+    from stella_mpi.optim.tuning import outer_period_cost
+
+    def score(compute_s, blocked_s, every):
+        return (compute_s + blocked_s / every) * outer_period_cost(every)
+    r = scored_rule(16, score)
+    every, why = r.observe(0.010, 0.030)
+    assert every == 16 and why.startswith("steady") and "H=32 " in why, why   # one decision: not yet
+    every, why = r.observe(0.010, 0.030)
+    assert every == 32 and why.startswith("H=32 reaches the loss sooner"), why
+    assert r.observe(0.010, 0.030)[0] == 32
+    # a link 100 times slower: 3 s per exchange, 64 amortizes it best
+    assert [r.observe(0.010, 3.0)[0] for _ in range(2)] == [32, 64]
+
+
+def test_with_a_score_another_h_within_the_dead_band_is_not_taken():
+    # two H within 1 - h/2 of each other: the current one stays however often the other wins
+    r = scored_rule(8, lambda c, x, h: 1.0 if h == 8 else 0.95 if h == 16 else 2.0)
+    for _ in range(5):
+        assert r.observe(0.010, 0.010)[0] == 8
+    # a vote for 16, then one for 4, then 16 again: never two running for the same H
+    table = {}
+    r = scored_rule(8, lambda c, x, h: table.get(h, 2.0))
+    for better in (16, 4, 16):
+        table.clear()
+        table.update({8: 1.0, better: 0.5})
+        assert r.observe(0.010, 0.010)[0] == 8
+    assert r.observe(0.010, 0.010)[0] == 16   # (16 twice running)
+
+
+def test_with_overlap_the_scored_period_counts_only_the_wire_it_does_not_hide():
+    seen = {}
+
+    def score(compute_s, blocked_s, every):
+        seen[every] = blocked_s
+        return compute_s + blocked_s / every
+    scored_rule(8, score).observe(0.010, 0.001, 0.100)
+    assert seen[8] == pytest.approx(0.021) and seen[16] == pytest.approx(0.001)
+
+
+def test_the_outer_period_cost_is_least_at_32_and_follows_the_measured_points():
+    from stella_mpi.optim.tuning import OUTER_MOMENTUM_PERIOD, outer_period_cost
+    for h, c in OUTER_MOMENTUM_PERIOD:
+        assert outer_period_cost(h) == pytest.approx(c)
+    assert min(range(1, 257), key=outer_period_cost) == 32
+    assert outer_period_cost(2) > outer_period_cost(3) > outer_period_cost(4)          # between points, in log H
+    assert outer_period_cost(1) > outer_period_cost(2) and outer_period_cost(128) > outer_period_cost(64)   # extrapolated

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
-from stella_mpi.adjust.local_steps_rule import smallest_fitting
+from stella_mpi.adjust.local_steps_rule import best_scored, smallest_fitting
 from stella_mpi.adjust.mode_rule import (BLOCKING, ModeRule, PseudoRung, Schedule, delay_for, local_backlog_shape,
                                          local_step_time, scheduled_exchange)
 from stella_mpi.adjust.settings import Adjuster
@@ -29,8 +29,13 @@ def rule(settings, pseudo_bytes=0.5, pseudo_backlog=0.0, density=0.01):
     return ModeRule(settings, ctrl, 2, [one_rung(pseudo_bytes, pseudo_backlog)]), ctrl
 
 
-def one_rung(per_entry=0.5, backlog=0.0, name="thc 4 bits"):
-    return PseudoRung(name, per_entry, lambda est, every: backlog)
+def one_rung(per_entry=0.5, backlog=0.0, name="thc 4 bits", period=None):
+    return PseudoRung(name, per_entry, lambda est, every: backlog, period)
+
+
+def scored_every(r, est, step_s, exchange_s, rung=None):
+    """The H the rule gives a blocking exchange of ``exchange_s``: the ladder's least score."""
+    return best_scored(r.settings.local_steps, lambda h: r.local_score(est, step_s, exchange_s, h, rung))
 
 
 def test_the_local_shape_is_zero_at_h1_and_grows_with_the_wait():
@@ -58,12 +63,15 @@ def test_a_slow_link_moves_to_local_steps_after_the_dead_band():
         mode, why = r.after_sync(slow)
         assert mode == "sync" and why.startswith("steady"), why
     mode, why = r.after_sync(slow)   # the second vote running
-    assert mode == "local" and why.startswith("local reaches the loss sooner: local steps H=32"), why
-    assert r.predicted_every == 32 and r.mode == "local"
+    assert mode == "local" and why.startswith("local reaches the loss sooner: local steps H=64"), why
+    assert r.predicted_every == 64 and r.mode == "local"
     # the prediction: 60 ms per local step; the exchange is the 1 % rung's wire time (2 ms of
     # latency and 24 ms for 60 KB) scaled to 0.5 MB, plus the latency: 219 ms, over 32 steps
     exchange = 0.002 + 0.5e6 / 60e3 * (0.002 + 8 * 60e3 / (20 * MBIT))
     assert r._predicted_exchange(slow) == pytest.approx(exchange)
+    # H by time to loss: 3.4 ms of exchange per step at 64 against 6.8 at 32 outweighs the drift
+    # of 32 more steps (kappa 1: 5.6 % of a step against 3.9 %); the step-time budget would stop at 32
+    assert scored_every(r, slow, 0.060, exchange) == 64
     assert smallest_fitting(s.local_steps, s.target, 0.060, exchange) == 32
 
 
@@ -180,15 +188,15 @@ def test_with_the_measured_link_the_exchange_follows_the_link():
     pay), so H follows the link (the guess predicted about the same exchange at every rate on
     the byte LM)."""
     s = Adjuster(modes=("sync", "local"), window=1)
-    for rate, want, every in ((20 * MBIT, 0.002 + 8 * 0.5e6 / (20 * MBIT) + 0.004, 32),
-                              (1000 * MBIT, 0.002 + 0.004 + 0.004, 1)):
+    for rate, want, every in ((20 * MBIT, 0.002 + 8 * 0.5e6 / (20 * MBIT) + 0.004, 64),
+                              (1000 * MBIT, 0.002 + 0.004 + 0.004, 16)):
         ctrl = Controller(s, density=0.01)
         r = ModeRule(s, ctrl, 2, [one_rung()], link_bps=rate)
         est = dataclasses.replace(estimate(rate), cpu_s=0.004)
         assert r._predicted_exchange(est) == pytest.approx(want)
         assert local_step_time(est) == pytest.approx(0.056)   # compute 50 ms + fixed 10 ms - selection 4 ms
         r.after_sync(est)
-        assert r.predicted_every == every == smallest_fitting(s.local_steps, s.target, 0.056, want)
+        assert r.predicted_every == every == scored_every(r, est, 0.056, want)
     assert ModeRule(s, Controller(s, density=0.01), 2, [one_rung()], link_bps=20 * MBIT).predicted_every \
         is None
 
@@ -224,10 +232,10 @@ def test_the_rung_entering_local_steps_follows_the_link():
             mode, why = r.after_sync(est)
         chosen[rate] = (r.rung.name, r.predicted_every)
         step = local_step_time(est)
-        want = min(range(3), key=lambda i: r.local_score(est, step, r._predicted_exchange(est, i), smallest_fitting(
-            s.local_steps, s.target, step, r._predicted_exchange(est, i)), i))
+        x = [r._predicted_exchange(est, i) for i in range(3)]
+        want = min(range(3), key=lambda i: r.local_score(est, step, x[i], scored_every(r, est, step, x[i], i), i))
         assert r.pseudo_index == want, why
-        assert r.predicted_every == smallest_fitting(s.local_steps, s.target, step, r._predicted_exchange(est, want))
+        assert r.predicted_every == scored_every(r, est, step, x[want], want)
         assert ("pseudo-gradient %s" % r.rung.name) in why, why
     assert chosen[1000 * MBIT][0] == "thc 4 bits"
     assert chosen[2 * MBIT][0].startswith("sparseloco"), chosen
@@ -252,7 +260,7 @@ def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
     moved = slow - 0.002 - 0.004
     thc = r.pseudo[0].payload_per_entry   # (about 0.5 bytes per entry between two clusters)
     x = 0.006 + moved * r.rung.payload_per_entry / thc
-    assert r.predicted_every == smallest_fitting(s.local_steps, s.target, 0.056, x)
+    assert r.predicted_every == scored_every(r, r.sync_estimate, 0.056, x, r.pseudo_index)
 
 
 def test_a_rung_inside_the_dead_band_is_not_taken():
@@ -363,12 +371,21 @@ def scheduled_rule(schedules=True, **kw):
     return r, s
 
 
-def test_local_steps_enter_with_the_blocking_exchange_whatever_the_schedules():
+def test_local_steps_enter_with_the_schedule_the_prediction_scores_best():
+    """2 s of exchange at 2 Mbit/s against 60 ms steps: with schedules offered, local steps start
+    with fragments in flight beside the steps, the delay below H/F; without, blocking."""
     s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
-    r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5)], link_bps=2 * MBIT, schedules=True)
-    while r.mode == "sync":
-        r.after_sync(dataclasses.replace(estimate(2 * MBIT), cpu_s=0.002))
-    assert r.predicted_schedule == BLOCKING
+    est = dataclasses.replace(estimate(2 * MBIT), cpu_s=0.002)
+    for schedules in (True, False):
+        r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5)], link_bps=2 * MBIT, schedules=schedules)
+        while r.mode == "sync":
+            _, why = r.after_sync(est)
+        sched, every = r.predicted_schedule, r.predicted_every
+        if schedules:
+            assert sched.delay >= 1 and every % sched.fragments == 0 and sched.delay < every // sched.fragments, why
+            assert "delay %d" % sched.delay in why, why
+        else:
+            assert sched == BLOCKING, why
 
 
 def test_a_long_blocking_exchange_moves_to_a_delayed_schedule_after_the_dead_band():
@@ -472,3 +489,22 @@ def test_schedules_are_offered_where_no_inner_step_waits_on_the_collective_threa
     for own in (LocalSteps(every=8, fragments=2), LocalSteps(every=8, delay=1), LocalSteps(every=8, overlap=True),
                 LocalSteps(every=8, pace="time"), LocalSteps(every=8, outer=instance)):
         assert not schedules_fit(own, ones) and not schedules_fit(own, twos, off_thread=True)
+
+
+def test_an_outer_nesterov_rung_is_given_its_best_period_unless_the_link_needs_longer():
+    """The automatic route's THC rung steps by DiLoCo's Nesterov, whose cost per period
+    (optim/tuning.py's outer_period_cost, measured) is least at H = 32. With the drift this rule
+    charges alone (kappa 0.13, as the byte LM measured), the least score is the ladder's longest
+    period at every rate; with the outer step's cost it is 32 from 20 Mbit/s to 1 Gbit/s, and 64
+    where the exchange (2 s at 2 Mbit/s) outweighs it."""
+    from stella_mpi import Compression
+    from stella_mpi.optim.tuning import _backlog_of, outer_period_cost, payload_per_entry
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    thc = Compression.thc(bits=4)
+    for rate, want in ((1000 * MBIT, 32), (100 * MBIT, 32), (20 * MBIT, 32), (2 * MBIT, 64)):
+        for period, every in ((outer_period_cost, want), (None, 64)):
+            ctrl = Controller(s, density=0.01)
+            r = ModeRule(s, ctrl, 2, [PseudoRung("thc 4 bits", payload_per_entry(thc, 2), _backlog_of(ctrl, thc),
+                                                 period)], link_bps=rate)
+            _, why = r.after_sync(dataclasses.replace(estimate(rate, kappa=0.13), cpu_s=0.004, backlog_kappa_thc=1.0))
+            assert r.predicted_every == every, (rate, why)
