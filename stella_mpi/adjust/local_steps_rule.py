@@ -69,8 +69,7 @@ def exchange_ratio(target, compute_s, exchange_s, every, wire_s=None):
     overlap what is left of the wire after the H steps it runs beside, amortized over H steps,
     over the ``(target - 1) * compute_s`` a step may add."""
     allowed = max((target - 1.0) * compute_s, 1e-9)
-    blocked = exchange_s + (max(0.0, wire_s - every * compute_s) if wire_s is not None else 0.0)
-    return blocked / every / allowed
+    return blocked_time(compute_s, exchange_s, every, wire_s) / every / allowed
 
 
 def blocked_time(compute_s, exchange_s, every, wire_s=None):
@@ -83,13 +82,6 @@ def best_scored(ladder, score):
     """The H on ``ladder`` whose ``score(H)`` (time to the loss: lower is better) is least, the
     smaller H on a tie (the clusters meet more often)."""
     return min(sorted(ladder), key=lambda h: (score(h), h))
-
-
-def smallest_fitting(ladder, target, compute_s, exchange_s, wire_s=None):
-    """The smallest H on ``ladder`` that fits the budget; the largest when none does (the rule's
-    choice without hysteresis: the H local steps start from when the adjuster switches to them)."""
-    fitting = [h for h in sorted(ladder) if exchange_ratio(target, compute_s, exchange_s, h, wire_s) <= 1.0]
-    return fitting[0] if fitting else max(ladder)
 
 
 @dataclass

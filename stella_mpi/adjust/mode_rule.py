@@ -282,7 +282,7 @@ class ModeRule:
         wire = latency + 8.0 * now / max(est.bandwidth_bps, 1.0)
         return latency + est.elements * per_entry / max(now, 1.0) * wire
 
-    def period_score(self, delay=0):
+    def period_score(self):
         """The score of a period of the current rung, ``(compute_s, blocked_s, every) -> score``
         (the local-steps rule's H by time to loss: :class:`.local_steps_rule.LocalStepsRule`), or
         None without a synchronous estimate (a checkpoint without one: H by the step-time budget
@@ -290,7 +290,7 @@ class ModeRule:
         est = self.sync_estimate
         if est is None:
             return None
-        return lambda compute_s, blocked_s, every: self.local_score(est, compute_s, blocked_s, every, None, delay)
+        return lambda compute_s, blocked_s, every: self.local_score(est, compute_s, blocked_s, every)
 
     def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None):
         """Local steps through ``rung``: at H = ``every``, or the H the local-steps rule would
