@@ -344,11 +344,11 @@ def sparse_pseudo_factor(every):
 OUTER_MOMENTUM_PERIOD = ((2, 9.33), (4, 2.98), (8, 1.62), (16, 1.33), (32, 1.0), (64, 1.08))
 
 
-def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
+def outer_period_cost(every):
     """The inner steps the automatic route's outer Nesterov needs at H = ``every``, over its
     best H's (:data:`OUTER_MOMENTUM_PERIOD`)."""
     x = math.log2(max(float(every), 1.0))
-    pts = [(math.log2(h), math.log(c)) for h, c in table]
+    pts = [(math.log2(h), math.log(c)) for h, c in OUTER_MOMENTUM_PERIOD]
     i = max(1, min(len(pts) - 1, next((k for k, (px, _) in enumerate(pts) if px >= x), len(pts) - 1)))
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
     return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
@@ -483,13 +483,13 @@ class ModeSwitch:
                                  [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c),
                                              outer_period_cost if m > 0 else None)
                                   for n, c, m in zip(self.rung_names, self.rungs,
-                                                     self._outer_momenta(local, nclusters))],
+                                                     self._outer_momenta(local))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)))
             local.schedules_chosen = self.rule.schedules
 
-    def _outer_momenta(self, local, nclusters):
+    def _outer_momenta(self, local):
         """Per rung, the momentum of the outer step it runs with: the automatic route's for that
         rung, else the user's outer optimizer's (0 for averaging and the clusters' sum)."""
         if self.rung_outers:

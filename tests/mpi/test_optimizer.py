@@ -1010,3 +1010,34 @@ def test_local_steps_with_a_sparseloco_pseudo_gradient_meet_on_the_same_paramete
     everyone = hvd.allgather(flat, name="chunked.local.check")
     assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size()))
     assert all(torch.isfinite(everyone[0]))
+
+
+@pytest.mark.auto_route
+def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost():
+    """The automatic route's THC rung steps by DiLoCo's Nesterov: its rung carries the measured
+    period cost (optim/tuning.py's outer_period_cost), SparseLoCo's (the clusters' sum) none; in
+    local mode the local-steps rule chooses H by the mode rule's score of the rung in force."""
+    from stella_mpi.optim.tuning import outer_period_cost
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no automatic route across clusters")
+    seen = []
+
+    def make(model):
+        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                        adjuster=hvd.Adjuster(interval=1, window=1))
+
+    def watch(step, model, opt):
+        rule = opt._tuner.rule
+        if step == 2:
+            rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+        if opt.mode == "local":
+            score = opt._tuner.local.rule.score
+            seen.append((opt._tuner.pseudo.name, score(0.05, 0.02, 16) == rule.local_score(
+                rule.sync_estimate, 0.05, 0.02, 16)))
+
+    model, opt = _train_with(make, 16, watch)
+    rungs = opt._tuner.rule.pseudo
+    assert [r.period for r in rungs] == [outer_period_cost, None, None], rungs
+    assert seen and all(same for _, same in seen), seen
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
