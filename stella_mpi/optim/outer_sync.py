@@ -528,12 +528,15 @@ class LocalStepsSync:
     def capture(self):
         self.anchor = {n: p.detach().clone() for n, p in self.named}
 
-    def restart(self, every, schedule=None):
+    def restart(self, every, schedule=None, keep_outer_state=False):
         """A new phase of local steps from the parameters as they are (the same on every rank):
         H = ``every``, the rule's history and the outer optimizers' state cleared (they belong to
         a past phase), an exchange in flight forgotten; ``schedule``: the adjuster's (F, delay)
-        for it (:meth:`replan`), None: as it is."""
+        for it (:meth:`replan`), None: as it is. ``keep_outer_state``: the same phase goes on
+        under another schedule (the adjuster's change of F or delay inside local steps): each
+        parameter's outer state (the outer momentum) is kept, in whichever fragment it now is."""
         self.drop_in_flight()
+        kept = self._outer_state() if keep_outer_state else {}
         if schedule is not None:
             self.replan(every, *schedule)
         self.capture()
@@ -544,8 +547,17 @@ class LocalStepsSync:
         self.period_s = None   # (pace "time": the next period is measured again)
         for outer in self.outers:
             outer.state.clear()
+            for group in outer.param_groups:
+                for p in group["params"]:
+                    if p in kept:
+                        outer.state[p] = kept[p]
         self._period_start = None
         self.in_sync = True
+
+    def _outer_state(self):
+        """{parameter: its outer optimizer's state} over every fragment (the outer optimizers are
+        torch optimizers whose state is per parameter, and a fragment holds whole parameters)."""
+        return {p: state for outer in self.outers for p, state in outer.state.items() if state}
 
     def exclude_time(self, seconds):
         if self._period_start is not None:

@@ -653,11 +653,14 @@ class ModeSwitch:
         collectives' names, so the residual carries over. Where the schedule is not the
         whole-model blocking one before or after, the clusters are synchronized first
         (``sync_clusters``: the exchange in flight applied, every fragment exchanged) and a new
-        phase starts under the rule's schedule (fresh anchors and outer states)."""
+        phase starts under the rule's schedule (fresh anchors; each parameter's outer state kept,
+        in whichever fragment it now is)."""
         sched = self.rule.predicted_schedule
         if self.rule.schedules and (self.local.streaming or sched != BLOCKING):
             self.local.sync_clusters()
-            self.local.restart(every, (sched.fragments, sched.delay))
+            # the same phase under another schedule: the outer momentum goes on (_use_rung clears it
+            # where the rung's outer hyperparameters change)
+            self.local.restart(every, (sched.fragments, sched.delay), keep_outer_state=True)
             self._use_rung()
         else:
             self._use_rung()

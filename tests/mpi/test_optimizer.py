@@ -607,11 +607,11 @@ def test_local_clip_clips_each_rank_before_the_reduction(compression):
                                  local_clip=-1.0)
 
 
-def _switching(model, pseudo=None, overlap=False, ladder=(4,), inner=_sgd, **adjuster):
+def _switching(model, pseudo=None, overlap=False, ladder=(4,), inner=_sgd, outer="average", **adjuster):
     """The optimizer that moves between the synchronous route (top-k 10 %) and local steps."""
     return hvd.DistributedOptimizer(
         inner(model), named_parameters=model.named_parameters(), compression=hvd.Compression.topk(0.1),
-        local_steps=hvd.LocalSteps(every=4, overlap=overlap, compression=pseudo),
+        local_steps=hvd.LocalSteps(every=4, overlap=overlap, compression=pseudo, outer=outer),
         adjuster=hvd.Adjuster(modes=("sync", "local"), interval=1, window=1, min_density=0.1, max_density=0.1,
                               local_steps=ladder, **adjuster))
 
@@ -777,13 +777,17 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
     synchronizes the clusters and starts a phase of 2 fragments, each landing 1 step after its
     launch; its cycles are measured and fed to the rule; a checkpoint carries the schedule into
     an optimizer that runs the blocking one, and sync_clusters ends both with the same
-    parameters everywhere. (Schedules are offered where no inner step reduces on the collective
+    parameters everywhere. The outer momentum (DiLoCo's Nesterov here) goes on into the new
+    fragments. (Schedules are offered where no inner step reduces on the collective
     thread: a cluster of one rank reduces alone, one of several on its channel (CPU tensors), so
     they are offered in every layout here, clusters of several ranks included.)"""
     from stella_mpi.adjust.mode_rule import Schedule
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no exchange across clusters, nothing to switch")
     seen = []
+
+    def momenta(tuner):
+        return {p: s["momentum_buffer"] for o in tuner.local.outers for p, s in o.state.items() if s}
 
     def watch(step, model, opt):
         tuner = opt._tuner
@@ -793,14 +797,19 @@ def test_mode_switch_runs_the_schedule_the_rule_chooses_on_every_rank():
             # (local steps entered with the schedule the rule predicted: blocking or delayed)
             assert opt.mode == "local" and "local reaches the loss sooner: local steps H=4%s" % (
                 tuner.schedule.describe()) in opt.mode_switches[-1][2], opt.mode_switches
+            before = momenta(tuner)
+            assert len(before) == len(list(model.parameters())), "an outer step by step 12 holds a momentum"
             tuner.rule.predicted_schedule = Schedule(2, 1)
             tuner._take_rung(8)
             _assert_same_everywhere(model)   # (the phase starts from the clusters' agreed parameters)
+            after = momenta(tuner)
+            # every parameter's momentum kept (the exchange of sync_clusters stepped it once more)
+            assert set(after) == set(before) and len(tuner.local.fragments) == 2
         if step > 12:
             seen.append((tuner.schedule, opt._outer.progress.local_steps, _clusters_apart(model)))
 
     def offered(m):
-        opt = _switching(m, hvd.Compression.fp16)
+        opt = _switching(m, hvd.Compression.fp16, outer="nesterov")
         assert opt._tuner.rule.schedules and opt._tuner.local.schedules_chosen
         return opt
 

@@ -8,8 +8,8 @@ import pytest
 
 from stella_mpi.adjust.controller import Controller, Estimate
 from stella_mpi.adjust.local_steps_rule import best_scored, exchange_ratio
-from stella_mpi.adjust.mode_rule import (BLOCKING, ModeRule, PseudoRung, Schedule, delay_for, local_backlog_shape,
-                                         local_step_time, scheduled_exchange)
+from stella_mpi.adjust.mode_rule import (BLOCKING, CALIBRATION, ModeRule, PseudoRung, Schedule, delay_for,
+                                         local_backlog_shape, local_step_time, scheduled_exchange)
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -401,6 +401,48 @@ def test_a_long_blocking_exchange_moves_to_a_delayed_schedule_after_the_dead_ban
     for _ in range(4):
         nodelay.after_local(0.010, blocking, 8)
     assert nodelay.predicted_schedule == BLOCKING
+
+
+def test_the_schedule_entered_from_a_prediction_is_corrected_by_the_measured_exchange():
+    """Local steps enter with a schedule the prediction hides the whole exchange behind (one
+    fragment, delay 1, at 100 Mbit/s); measured, it blocks 150 ms a period of 300 ms of
+    exchange. Another schedule of the rung then scores about 6 % lower: inside the dead band
+    (12.5 %), above the calibration's 3 %. Right after entering, two decisions running take it,
+    with no wait for the window; the same measurements in a phase not entered from a prediction
+    (a checkpoint's take) change nothing, nor after the calibration's decisions are spent."""
+    s = Adjuster(modes=("sync", "local"), window=3, min_density=0.01, max_density=0.01)
+    est = dataclasses.replace(estimate(100 * MBIT, compute_s=0.050, fixed_s=0.010), cpu_s=0.002)
+    from stella_mpi.optim.tuning import outer_period_cost   # (the automatic route's THC rung's)
+
+    def entered():
+        r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5, period=outer_period_cost)], link_bps=100 * MBIT,
+                     schedules=True)
+        while r.mode == "sync":
+            _, why = r.after_sync(est)
+        assert r.predicted_schedule == Schedule(1, 1) and r.predicted_every == 32, why
+        return r
+
+    r = entered()
+    first = r.predicted_schedule
+    outcomes = [r.after_local(0.060, 0.150, 32, wire_s=0.300, schedule=first) for _ in range(2)]
+    assert outcomes[0][1].startswith("steady"), outcomes[0][1]
+    mode, why = outcomes[1]
+    assert mode == "local" and why.startswith("the measured exchange calls for another schedule"), why
+    assert r.predicted_schedule.fragments > 1 and r.predicted_schedule.delay >= 1, r.predicted_schedule
+    assert r.predicted_every == 32 and r._calibrating == 0
+    # the gain is inside the dead band: without the calibration the rule stays
+    for prepare in ("take", "spent"):
+        r = entered()
+        if prepare == "take":
+            r.take("local", r.sync_estimate, schedule=first)
+        else:
+            for _ in range(CALIBRATION):   # the calibration's decisions, measured as predicted
+                r.after_local(0.058, 0.0, 32, wire_s=0.040, schedule=first)
+            assert r.predicted_schedule == first
+        for _ in range(6):
+            mode, why = r.after_local(0.060, 0.150, 32, wire_s=0.300, schedule=first)
+            assert mode == "local" and why.startswith("steady"), (prepare, why)
+        assert r.predicted_schedule == first
 
 
 def test_a_schedule_that_blocks_beyond_the_model_goes_back_and_is_remembered():
