@@ -85,12 +85,15 @@ Streaming DiLoCo's schedules, the model in F fragments exchanged in turn, each i
 delay of inner steps::
 
     blocked(H, F, 0) = cpu + wire + (F - 1) * latency
-    blocked(H, F, delay) = max(0, cpu + wire + (F - 1) * latency - F * delay * step)
+    blocked(H, F, delay) = sum over fragments f of max(0, x_f - delay * step)
+    x_f = share_f * (cpu + wire - latency) + latency
     local_shape(H, delay) = (1 - 1/C) * sqrt((H - 1) / 2 + delay)
 
 (a delayed exchange's encoding and decoding run on the collective thread beside the steps, so
 its delay hides them as it hides the wire; what they slow the steps by is measured and charged
-as the schedule's overhead, below), with the delay the fewest steps that hide one fragment's
+as the schedule's overhead, below), ``share_f`` fragment f's fraction of the entries under the
+balanced cut (``ModeRule.shares``: whole parameters, so uneven where a few matrices hold most of
+the model), with the delay the fewest steps that hide the largest fragment's
 whole exchange (:func:`delay_for`), below H/F,
 and H per F the ladder's least score (a multiple of F with room for the delay). Local steps start with the
 schedule the prediction scores best (on the byte LM, at 1 Gbit/s, a blocking exchange of THC
@@ -169,27 +172,39 @@ class Schedule:
 BLOCKING = Schedule()
 
 
-def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, schedule):
+def fragment_exchanges(cpu_s, wire_s, latency_s, fragments, shares=None):
+    """Seconds each of ``fragments`` fragments' exchanges takes: its share of the encoding and
+    decoding (``cpu_s``) and of the wire beyond the latency (``wire_s`` is the whole model's,
+    latency included), plus the latency. ``shares``: each fragment's fraction of the model's
+    entries (the balanced cut holds whole parameters, so a model of a few large matrices is cut
+    unevenly: the byte LM's 4 fragments hold 45 %, 0 %, 44 % and 11 %); None: 1/F each."""
+    shares = shares or (1.0 / fragments,) * fragments
+    moved = max(cpu_s + wire_s - latency_s, 0.0)
+    return [share * moved + latency_s for share in shares]
+
+
+def scheduled_exchange(cpu_s, wire_s, latency_s, step_s, schedule, shares=None):
     """Seconds a period of H steps blocks on its exchanges under ``schedule``: without
     a delay, the encoding and decoding (``cpu_s``, the whole model's, whichever the cut) and the
     wire (``wire_s``, the whole model's, plus ``latency_s`` for each further fragment); with one,
-    what of both the ``fragments * delay`` inner steps they run beside do not hide (they run on
-    the collective thread: on an H200 a delay covering both left 0.7-1.2 ms of wait per landing,
-    docs/guides/local-steps.md)."""
-    exchange = cpu_s + wire_s + (schedule.fragments - 1) * latency_s
+    what of each fragment's exchange (:func:`fragment_exchanges`, by its ``shares``) the
+    ``delay`` inner steps it runs beside do not hide (they run on the collective thread: on an
+    H200 a delay covering both left 0.7-1.2 ms of wait per landing, docs/guides/local-steps.md)."""
     if schedule.delay == 0:
-        return exchange
-    return max(0.0, exchange - schedule.hide * step_s)
+        return cpu_s + wire_s + (schedule.fragments - 1) * latency_s
+    return sum(max(0.0, x - schedule.delay * step_s)
+               for x in fragment_exchanges(cpu_s, wire_s, latency_s, schedule.fragments, shares))
 
 
-def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s, cpu_s=0.0):
+def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s, cpu_s=0.0, shares=None):
     """The delay the adjuster gives F = ``fragments`` at H = ``every``: the fewest inner steps
-    that hide one fragment's exchange (at least 1), at most ``max_delay`` and below H/F (a
-    fragment lands before the next one is launched). The exchange is the fragment's share of
-    the wire and of ``cpu_s``, the encoding and decoding, which run on the collective thread
-    beside the steps too: on an H200 a fragment given steps for its wire alone still blocked
-    9 ms of its 20 at each landing (docs/guides/local-steps.md)."""
-    per_fragment = (cpu_s + wire_s + (fragments - 1) * latency_s) / fragments
+    that hide the largest fragment's exchange (at least 1), at most ``max_delay`` and below H/F
+    (a fragment lands before the next one is launched). The exchange is the fragment's share
+    (``shares``, :func:`fragment_exchanges`) of the wire and of ``cpu_s``, the encoding and
+    decoding, which run on the collective thread beside the steps too: on an H200 a fragment
+    given steps for its wire alone still blocked 9 ms of its 20 at each landing
+    (docs/guides/local-steps.md)."""
+    per_fragment = max(fragment_exchanges(cpu_s, wire_s, latency_s, fragments, shares))
     need = max(1, int(math.ceil(per_fragment / max(step_s, 1e-9) - 1e-9)))
     return min(need, int(max_delay), every // fragments - 1)
 
@@ -246,6 +261,9 @@ class ModeRule:
     # (after_local): (seconds blocked per landing, seconds per step slower than the blocking
     # schedule's), charged to that kind's predictions from then on
     overheads: dict = dataclasses.field(default_factory=dict)
+    # per F, each fragment's fraction of the model's entries under the adjuster's cut (missing:
+    # 1/F each): the delay must hide the largest fragment's exchange
+    shares: dict = dataclasses.field(default_factory=dict)
     # (seconds per local step, transfer seconds, payload per entry) last measured under the
     # blocking schedule: under another schedule every option is predicted from them (its exchange
     # in flight may slow the steps beside it and its own wire: that is its overhead)
@@ -332,8 +350,9 @@ class ModeRule:
             step = step_s + slower
             scored = []
             for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
-                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s))
-                blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched) + f * per_landing
+                shares = self.shares.get(f)
+                sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s, shares))
+                blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched, shares) + f * per_landing
                 scored.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay),
                                           sched))
             if scored:
@@ -420,8 +439,9 @@ class ModeRule:
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
         overhead = None   # (seconds blocked per landing, seconds per step)
         if streaming:   # beyond the model: blocked longer, and the steps slower than the blocking schedule's
-            overhead = (max(0.0, exchange_s - scheduled_exchange(est.cpu_s, latency + moved, latency, base, schedule))
-                        / schedule.fragments,
+            modelled = scheduled_exchange(est.cpu_s, latency + moved, latency, base, schedule,
+                                          self.shares.get(schedule.fragments))
+            overhead = (max(0.0, exchange_s - modelled) / schedule.fragments,
                         max(0.0, step_s - base))
             self.overheads[schedule.kind] = overhead
         others = []

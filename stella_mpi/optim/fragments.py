@@ -112,6 +112,14 @@ def plan_fragments(named, fragments, groups=None):
     return [named[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
+def fragment_shares(named, fragments):
+    """Each fragment's fraction of the entries of ``named`` under the balanced cut into
+    ``fragments`` (the adjuster's schedules: the delay hides the largest one's exchange)."""
+    sizes = [sum(p.numel() for _, p in part) for part in plan_fragments(named, fragments)]
+    total = float(sum(sizes)) or 1.0
+    return tuple(n / total for n in sizes)
+
+
 def _named_groups(named, groups):
     by_name = dict(named)
     order = {n: i for i, (n, _) in enumerate(named)}

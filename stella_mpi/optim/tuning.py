@@ -56,6 +56,7 @@ from .agreement import check_agreement
 from .buckets import plan_pseudo_gradient_buckets
 from .cluster_channel import ClusterChannel
 from .clusters import cluster_process_set
+from .fragments import fragment_shares
 from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
 from .routes.adasum import AdasumRoute
@@ -486,7 +487,8 @@ class ModeSwitch:
                                                      self._outer_momenta(local))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
-                                                         inner_steps_off_thread(opt, cluster_route)))
+                                                         inner_steps_off_thread(opt, cluster_route)),
+                                 shares={f: fragment_shares(local.named, f) for f in fitting})
             local.schedules_chosen = self.rule.schedules
 
     def _outer_momenta(self, local):

@@ -9,7 +9,8 @@ import pytest
 from stella_mpi.adjust.controller import Controller, Estimate
 from stella_mpi.adjust.local_steps_rule import best_scored, exchange_ratio
 from stella_mpi.adjust.mode_rule import (BLOCKING, CALIBRATION, ModeRule, PseudoRung, Schedule, delay_for,
-                                         local_backlog_shape, local_step_time, scheduled_exchange)
+                                         fragment_exchanges, local_backlog_shape, local_step_time,
+                                         scheduled_exchange)
 from stella_mpi.adjust.settings import Adjuster
 
 MBIT = 1e6
@@ -351,6 +352,35 @@ def test_a_schedule_blocks_on_what_its_delay_does_not_hide():
     assert delay_for(16, 2, 8, 0.0188, 0.0, 0.008) == 2
     assert delay_for(16, 2, 8, 0.0188, 0.0, 0.008, cpu_s=0.022) == 3
     assert local_backlog_shape(9, 2, delay=0) == pytest.approx(0.5 * 2.0)
+
+
+def test_the_delay_hides_the_largest_fragment_of_an_uneven_cut():
+    """The byte LM's balanced cut into 4 (whole parameters: two 1024 x 1024 matrices) holds 45 %,
+    0 %, 44 % and 11 % of the entries. Its exchange of 450 ms of wire at 65 ms steps: the
+    largest fragment takes 202 ms, so delay 4 hides it where 1/F each asked for 2; at delay 2
+    two landings block 70 ms each (measured at 100 Mbit/s: 124 ms steps at 2 of the 4 landings,
+    60-65 ms elsewhere), where 1/F each predicted none."""
+    import torch
+    from stella_mpi.optim.fragments import fragment_shares
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 256), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024),
+                                torch.nn.Linear(1024, 256))
+    shares = fragment_shares(list(model.named_parameters()), 4)
+    assert len(shares) == 4 and sum(shares) == pytest.approx(1.0)
+    assert [round(x, 2) for x in shares] == [0.45, 0.0, 0.44, 0.11], shares
+    assert fragment_shares(list(model.named_parameters()), 1) == (1.0,)
+    lm = (0.446, 0.001, 0.442, 0.111)
+    exchanges = fragment_exchanges(0.0, 0.451, 0.001, 4, lm)
+    assert sum(exchanges) == pytest.approx(0.451 + 3 * 0.001, rel=1e-3) and max(exchanges) == pytest.approx(0.2017)
+    assert fragment_exchanges(0.0, 0.451, 0.001, 4) == pytest.approx([0.1135] * 4)
+    assert delay_for(32, 4, 8, 0.451, 0.001, 0.065) == 2
+    assert delay_for(32, 4, 8, 0.451, 0.001, 0.065, shares=lm) == 4
+    assert scheduled_exchange(0.0, 0.451, 0.001, 0.065, Schedule(4, 2)) == 0.0
+    assert scheduled_exchange(0.0, 0.451, 0.001, 0.065, Schedule(4, 2), lm) == pytest.approx(0.0717 + 0.0699)
+    assert scheduled_exchange(0.0, 0.451, 0.001, 0.065, Schedule(4, 4), lm) == 0.0
+    # equal shares give the aggregate form back
+    for sched in (Schedule(2, 1), Schedule(4, 1), Schedule(2, 3)):
+        assert scheduled_exchange(0.02, 0.12, 0.001, 0.03, sched, (1 / sched.fragments,) * sched.fragments) == \
+            pytest.approx(scheduled_exchange(0.02, 0.12, 0.001, 0.03, sched))
     assert local_backlog_shape(9, 2, delay=5) == pytest.approx(0.5 * 3.0)
 
 
