@@ -152,11 +152,6 @@ class Schedule:
     delay: int = 0
 
     @property
-    def hide(self):
-        """Inner steps per period that the wire runs beside."""
-        return self.fragments * self.delay
-
-    @property
     def kind(self):
         """What a vote counts and a cost is remembered by: F, and whether it is delayed (the delay
         itself follows the measured times and may move by a step between decisions)."""
@@ -400,8 +395,9 @@ class ModeRule:
         wire time of its exchanges, summed) at H = ``every`` through the current rung; returns
         (mode, reason): "sync" to switch. When another pseudo rung, or with ``schedules``
         another schedule, is predicted to reach the loss sooner (twice running, past the dead
-        band), the rule takes it: ``pseudo_index``, ``predicted_every`` and
-        ``predicted_schedule`` change, the mode stays "local".
+        band; in the first ``CALIBRATION`` decisions after entering, another schedule of this
+        rung past ``CALIBRATION_BAND``), the rule takes it: ``pseudo_index``, ``predicted_every``
+        and ``predicted_schedule`` change, the mode stays "local".
 
         The other rungs' exchange is this one's with the transfer scaled by their payloads' ratio:
         ``latency + cpu + transfer * payload_j / payload_now``, where the transfer is what the
