@@ -3,7 +3,8 @@
 # examples/train_horovod.py with CUDA tensors, 2 clusters of 1 rank sharing the GPU, the
 # cross-cluster link paced at RATE bit/s, each mode for BUDGET seconds of training; JSON per mode
 # and one log in $OUT (MODES: dense, auto, cacheaware, topk, thc4, cpu1, local8, local8-thc4,
-# local8-sparseloco). bench/gpu_time_to_loss.py $OUT turns the JSONs into the time-to-loss table.
+# local8-sparseloco, diloco32-f4-thc4: torchft Streaming DiLoCo's recipe, H=32, 4 fragments, 3 steps in
+# flight, outer Nesterov, THC 4 bits). bench/gpu_time_to_loss.py $OUT turns the JSONs into the time-to-loss table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${STELLA_GPU_VENV:-/tmp/stella-gpu-venv}/bin/python
@@ -23,6 +24,8 @@ for mode in ${MODES:-dense cacheaware topk thc4 cpu1}; do
         local8-thc4) a="--compression thc --bits 4 --local-steps 8 --outer nesterov" ;;
         local8-sparseloco) a="--compression sparseloco --density 0.01 --bits 2 --feedback-decay 0.95 --local-steps 8 \
 --outer sum" ;;
+        diloco32-f4-thc4) a="--compression thc --bits 4 --local-steps 32 --outer nesterov --fragments 4 \
+--fragment-delay 3" ;;
         *) echo "gpu_train.sh: unknown mode '$mode'"; exit 2 ;;
     esac
     echo "== $mode: $a" | tee -a "$out/train.log"

@@ -424,7 +424,10 @@ class ModeRule:
             # schedule's last measured exchange (scaled to this rung's payload) and step
             base, transfer_then, payload_then = self.base
             transfer = transfer_then * self.rung.payload_per_entry / max(payload_then, 1e-12)
-        bandwidth = 8.0 * est.elements * self.rung.payload_per_entry / transfer
+        moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
+        # the wire's rate: the sync route's prediction counts cpu_s in its fixed cost already
+        # (with it here, a 1 Gbit/s link on a GPU read as 99 Mbit/s and sync's wire was overcounted)
+        bandwidth = 8.0 * est.elements * self.rung.payload_per_entry / moved
         predicted = dataclasses.replace(est, bandwidth_bps=bandwidth)
         if streaming:   # what the schedule blocked, as measured
             now = LocalOption(self.pseudo_index, every, exchange_s,
@@ -432,7 +435,6 @@ class ModeRule:
         else:
             now = self._option(est, self.pseudo_index, step_s, exchange_s, wire_s, every)
         overlap = wire_s is not None and not streaming
-        moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
         overhead = None   # (seconds blocked per landing, seconds per step)
         if streaming:   # beyond the model: blocked longer, and the steps slower than the blocking schedule's
             modelled = scheduled_exchange(est.cpu_s, latency + moved, latency, base, schedule,
@@ -467,9 +469,9 @@ class ModeRule:
                 # what the exchange costs on these cores: docs/guides/local-steps.md): the first
                 # measured periods correct it with a narrow band, whichever kind wins each time
                 target, band = ("local", self.pseudo_index, "schedule"), CALIBRATION_BAND
-        why = "link %.0f Mbit/s measured by the exchange of local steps (H=%d%s, %s, %.1f ms per step, exchange " \
-              "%.1f ms); local %.3f, sync %.3f%s" % (
-                  bandwidth / 1e6, every, schedule.describe(), self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s,
+        why = "link %.0f Mbit/s measured by the exchange of local steps beyond its %.1f ms of encoding (H=%d%s, " \
+              "%s, %.1f ms per step, exchange %.1f ms); local %.3f, sync %.3f%s" % (
+                  bandwidth / 1e6, 1e3 * est.cpu_s, every, schedule.describe(), self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s,
                   now.score, sync, "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every,
                                                                   o.schedule.describe(), o.score) for o in others))
         mode, reason, taken = self._vote(now.score, there, target, why, band)
