@@ -39,27 +39,7 @@ if [ -n "$c_pid" ]; then
     grep -E "tests passed|Total Test time" build/c_tests.log || true
 fi
 started=$(date +%s)
-if [ $# -eq 0 ]; then
-    # the unit tests (one process, about 70 s of one core) run beside the tests that launch jobs:
-    # those leave about 45 % of two cores idle, waiting on deadlines, emulated links and peers
-    mkdir -p build
-    set -m   # (a process group of its own, ended whole if the script stops first)
-    python -m pytest -q -m "not slow" tests/unit > build/unit_tests.log 2>&1 &
-    unit_pid=$!
-    set +m
-    trap '[ -n "$unit_pid" ] && kill -- -"$unit_pid" 2>/dev/null; true' EXIT
-    python -m pytest -q -m "not slow" --durations=25 --ignore=tests/unit
-    if ! wait "$unit_pid"; then
-        unit_pid=""
-        cat build/unit_tests.log
-        echo "run_tests.sh: the unit tests failed (build/unit_tests.log)"
-        exit 1
-    fi
-    unit_pid=""
-    echo "unit tests: $(tail -1 build/unit_tests.log)"
-else
-    python -m pytest -q -m "not slow" --durations=25 "$@"
-fi
+python -m pytest -q -m "not slow" --durations=25 "$@"
 # nothing left behind: no MPICH segment or hydra topology file made during the run stays unused
 python - "$started" <<'EOF'
 import sys
