@@ -11,6 +11,7 @@ from mpi_launch import ROOT
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.slow   # (the main job below runs the same script on 4 ranks in 2 clusters, twice, and asserts the same)
 def test_example_trains_and_parameters_agree():
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
     if not os.path.exists(stellarun):
@@ -53,3 +54,8 @@ def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
     except ImportError:
         assert written.endswith(".csv") and os.path.exists(written)
     assert "hostname of the client socket" not in out
+    # (each run: the example's own end line; the parameters agree on every rank, the loss is below
+    # the uniform guess ln(256) = 5.55)
+    ends = [ln for ln in out.splitlines() if ln.startswith("done: ")]
+    assert len(ends) == 2 and all("parameters identical on all 4 ranks: True" in ln for ln in ends), ends
+    assert all(float(ln.split("validation loss ")[1].split()[0]) < 5.55 for ln in ends), ends

@@ -73,7 +73,7 @@ def test_rate_schedule_changes_the_link():
 @needs_netns
 def test_cleanup_after_a_failing_rank():
     from stellarun.wan import leftovers
-    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--timeout", "20", sys.executable,
+    proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--timeout", "20", sys.executable,
                          "tests/scripts/faulty_rank.py", "raise")
     proc.communicate(timeout=180)
     assert proc.returncode != 0
@@ -219,7 +219,7 @@ def test_mpi_job_across_a_delayed_link():
 @needs_netns
 def test_delayed_link_is_removed_after_a_failing_rank():
     from stellarun.wan import leftovers
-    proc = _stellarun_bg("-np", "4", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "20",
+    proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms", "--timeout", "20",
                          sys.executable, "tests/scripts/faulty_rank.py", "raise")
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0 and "boom on purpose" in out, out[-3000:]
