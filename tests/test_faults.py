@@ -11,13 +11,15 @@ from mpi_launch import ROOT, mpirun_path, run_job
 pytestmark = pytest.mark.mpi
 
 
-def _launch(mode, timeout_env="60", as_module=False, env=None):
+def _launch(mode, timeout_env="60", as_module=False, env=None, np_=4):
+    """faulty_rank.py's ``mode`` on ``np_`` ranks in 2 clusters (2: one rank each, where what is
+    tested is one rank against another, not a cluster's ranks or their shards: half the start-up)."""
     import os
     env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2", **(env or {}))
     launcher = mpirun_path()
     if launcher is None:
         pytest.skip("no mpirun")
-    cmd = [launcher, "-np", "4", sys.executable] + (["-m", "mpi4py"] if as_module else []) + \
+    cmd = [launcher, "-np", str(np_), sys.executable] + (["-m", "mpi4py"] if as_module else []) + \
         ["tests/scripts/faulty_rank.py", mode]
     t0 = time.monotonic()
     proc = run_job(cmd, 120, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -26,7 +28,7 @@ def _launch(mode, timeout_env="60", as_module=False, env=None):
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["python-script", "python-m-mpi4py"])
 def test_uncaught_exception_ends_job(as_module):
-    proc, elapsed = _launch("raise", as_module=as_module)
+    proc, elapsed = _launch("raise", as_module=as_module, np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -42,7 +44,7 @@ def test_a_killed_rank_leaves_no_mpich_files():
     running process uses."""
     from stellarun import leftovers
     since = time.time() - 1
-    proc, _ = _launch("kill")
+    proc, _ = _launch("kill", np_=2)
     assert proc.returncode != 0
     assert any(p.startswith("/dev/shm/mpich_shm_") for p in proc.leftovers_removed), proc.leftovers_removed
     left = set(leftovers.candidates(since=since)) - leftovers.in_use()
@@ -50,13 +52,13 @@ def test_a_killed_rank_leaves_no_mpich_files():
 
 
 def test_dead_rank_ends_job():
-    proc, elapsed = _launch("exit")
+    proc, elapsed = _launch("exit", np_=2)
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
 
 
 def test_stalled_rank_hits_the_deadline():
-    proc, elapsed = _launch("stall", timeout_env="8")
+    proc, elapsed = _launch("stall", timeout_env="8", np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
@@ -112,7 +114,7 @@ def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     rounds stop: the others' deadline names the negotiation round they were in, what they waited
     for and the rank, and says what may hold the GIL (not a collective that had completed long
     before, as the message named until the collective thread forgot its last op)."""
-    proc, elapsed = _launch("gil_held", timeout_env="8")
+    proc, elapsed = _launch("gil_held", timeout_env="8", np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
@@ -137,7 +139,7 @@ def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
 def test_start_and_end_have_deadlines(mode, what):
     """A rank frozen before MPI_Init, before hvd.init() or at the end of the program: the others
     end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""
-    proc, elapsed = _launch(mode, timeout_env="8")
+    proc, elapsed = _launch(mode, timeout_env="8", np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, (elapsed, out[-3000:])
@@ -156,9 +158,10 @@ def test_a_garbage_thc_scale_from_a_peer_ends_the_job():
 
 
 def _ends_the_job(mode, pattern):
-    """Rank 1 of faulty_rank.py tampers as ``mode`` says: the job ends within 45 s, non-zero,
-    with ``pattern`` (a regular expression) in its output, and no rank got past the step."""
-    proc, elapsed = _launch(mode)
+    """Rank 1 of faulty_rank.py tampers as ``mode`` says (2 ranks, one per cluster: its one shard
+    is the whole tensor): the job ends within 45 s, non-zero, with ``pattern`` (a regular
+    expression) in its output, and no rank got past the step."""
+    proc, elapsed = _launch(mode, np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -167,12 +170,12 @@ def _ends_the_job(mode, pattern):
 
 
 def test_malformed_payload_from_a_peer_ends_job_naming_the_sender():
-    _ends_the_job("corrupt", re.escape("rank 1 sent a malformed payload for 'sparse.grad#shard1'"))
+    _ends_the_job("corrupt", re.escape("rank 1 sent a malformed payload for 'sparse.grad#shard0'"))
 
 
 @pytest.mark.slow   # (the C decoder's refusals of every bad scale run by default: tests/unit/test_chunked_kernels.py)
 def test_a_bad_sparseloco_scale_from_a_peer_ends_the_job_naming_the_sender():
-    _ends_the_job("corrupt_sparseloco_scale", r"rank 1 sent a malformed payload for 'sparseloco\.grad#shard1' "
+    _ends_the_job("corrupt_sparseloco_scale", r"rank 1 sent a malformed payload for 'sparseloco\.grad#shard0' "
                   r"\(step \d+\): quantised payload decode")
 
 
@@ -194,12 +197,12 @@ def test_a_rank_waiting_inside_gloo_is_not_named_as_silent():
 
 
 def test_an_oversized_payload_is_refused_unread_naming_the_sender():
-    proc, elapsed = _launch("oversized")
+    proc, elapsed = _launch("oversized", np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
-    assert re.search(r"sparse exchange of 'sparse.grad#shard1': rank 1 announced a payload of \d+ bytes for a tensor "
-                     r"of 5000 elements \(a valid one has 32 to \d+\); refusing it unread", out), out[-3000:]
+    assert re.search(r"sparse exchange of 'sparse.grad#shard0': rank 1 announced a payload of \d+ bytes for a tensor "
+                     r"of 10000 elements \(a valid one has 32 to \d+\); refusing it unread", out), out[-3000:]
     assert "finished without noticing" not in out
 
 
@@ -207,7 +210,7 @@ def test_an_oversized_payload_is_refused_unread_naming_the_sender():
 def test_a_failed_collective_never_returns_data(mode):
     """The failing rank's caller gets HorovodInternalError (never its own un-reduced input), and
     the job ends everywhere."""
-    proc, elapsed = _launch(mode)
+    proc, elapsed = _launch(mode, np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -218,7 +221,7 @@ def test_a_failed_collective_never_returns_data(mode):
 
 def test_a_terminated_rank_names_itself():
     """Under plain mpirun hydra's report may name another pid: the rank says it was terminated."""
-    proc, elapsed = _launch("term")
+    proc, elapsed = _launch("term", np_=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed

@@ -31,21 +31,18 @@ def _stellarun(*args, timeout_s=30, env=None):
 
 @pytest.mark.parametrize("mode,code,says,timeout_s", [
     ("raise", 10, r"rank 1 \(host [^,]+, pid \d+\) failed first: exception: .*boom on purpose", 30),
-    # (slow: the rank's side is tests/test_faults.py's malformed payload; each cause's exit code is
-    # tests/unit/test_fail_stop_report.py's, so the default run launches two paths, a record and a signal)
-    pytest.param("corrupt", 11, r"failed first: collective: .*rank 1 sent a malformed payload", 30,
-                 marks=pytest.mark.slow),
+    ("corrupt", 11, r"failed first: collective: .*rank 1 sent a malformed payload", 30),
     # the stalled rank's collective thread still cycles: the others see it never submitted step.0
     # (slow: the deadline's naming is tests/test_faults.py's; the exit code of a deadline is the same path)
     pytest.param("stall", 12, r"failed first: deadline: .*rank 1 \(host [^,]+, pid \d+\) never submitted it", 8,
                  marks=pytest.mark.slow),
     ("kill", 13, r"rank 1 \(host [^,]+, pid \d+\) failed first: signal: killed by signal 9 \(SIGKILL\)", 30),
-    pytest.param("exit", 14, r"rank 1 \(host [^,]+, pid \d+\) failed first: exit: exited with code 3", 30,
-                 marks=pytest.mark.slow),   # (slow: as "corrupt")
+    ("exit", 14, r"rank 1 \(host [^,]+, pid \d+\) failed first: exit: exited with code 3", 30),
 ])
 def test_the_first_failure_is_reported_with_its_own_exit_code(mode, code, says, timeout_s):
     before = _unused_leftovers()
-    proc = _stellarun("-np", "4", "--clusters", "2", sys.executable, "tests/scripts/faulty_rank.py", mode,
+    # (one rank per cluster: rank 0 fails second, so one cause still has to win)
+    proc = _stellarun("-np", "2", "--clusters", "2", sys.executable, "tests/scripts/faulty_rank.py", mode,
                       timeout_s=timeout_s)
     out = proc.stdout + proc.stderr
     assert proc.returncode == code, out[-3000:]
@@ -56,7 +53,7 @@ def test_the_first_failure_is_reported_with_its_own_exit_code(mode, code, says, 
 
 def test_a_rank_frozen_at_start_up_is_named():
     """Before MPI_Init nobody can ask where a rank is; stellarun looks at the processes."""
-    proc = _stellarun("-np", "3", sys.executable, "tests/scripts/faulty_rank.py", "stop_at_start", timeout_s=8)
+    proc = _stellarun("-np", "2", sys.executable, "tests/scripts/faulty_rank.py", "stop_at_start", timeout_s=8)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 12, out[-3000:]
     assert re.search(r"rank 1 \(host [^,]+, pid \d+\) was stopped", out), out[-3000:]
