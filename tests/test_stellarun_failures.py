@@ -53,7 +53,7 @@ def test_the_first_failure_is_reported_with_its_own_exit_code(mode, code, says, 
 
 def test_a_rank_frozen_at_start_up_is_named():
     """Before MPI_Init nobody can ask where a rank is; stellarun looks at the processes."""
-    proc = _stellarun("-np", "2", sys.executable, "tests/scripts/faulty_rank.py", "stop_at_start", timeout_s=8)
+    proc = _stellarun("-np", "2", sys.executable, "tests/scripts/faulty_rank.py", "stop_at_start", timeout_s=5)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 12, out[-3000:]
     assert re.search(r"rank 1 \(host [^,]+, pid \d+\) was stopped", out), out[-3000:]
