@@ -11,9 +11,10 @@ from mpi_launch import ROOT, mpirun_path, run_job
 pytestmark = pytest.mark.mpi
 
 
-def _launch(mode, timeout_env="60", as_module=False, env=None, np_=4):
-    """faulty_rank.py's ``mode`` on ``np_`` ranks in 2 clusters (2: one rank each, where what is
-    tested is one rank against another, not a cluster's ranks or their shards: half the start-up)."""
+def _launch(mode, timeout_env="60", as_module=False, env=None, np_=2):
+    """faulty_rank.py's ``mode`` on ``np_`` ranks in 2 clusters: one rank each where what is
+    tested is one rank against another (half the start-up of 4), 4 where it is a cluster's ranks
+    (inner steps, gloo inside a cluster)."""
     import os
     env = dict(os.environ, PYTHONUNBUFFERED="1", STELLA_TIMEOUT=timeout_env, STELLA_CLUSTERS="2", **(env or {}))
     launcher = mpirun_path()
@@ -28,7 +29,7 @@ def _launch(mode, timeout_env="60", as_module=False, env=None, np_=4):
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["python-script", "python-m-mpi4py"])
 def test_uncaught_exception_ends_job(as_module):
-    proc, elapsed = _launch("raise", as_module=as_module, np_=2)
+    proc, elapsed = _launch("raise", as_module=as_module)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -44,7 +45,7 @@ def test_a_killed_rank_leaves_no_mpich_files():
     running process uses."""
     from stellarun import leftovers
     since = time.time() - 1
-    proc, _ = _launch("kill", np_=2)
+    proc, _ = _launch("kill")
     assert proc.returncode != 0
     assert any(p.startswith("/dev/shm/mpich_shm_") for p in proc.leftovers_removed), proc.leftovers_removed
     left = set(leftovers.candidates(since=since)) - leftovers.in_use()
@@ -52,13 +53,13 @@ def test_a_killed_rank_leaves_no_mpich_files():
 
 
 def test_dead_rank_ends_job():
-    proc, elapsed = _launch("exit", np_=2)
+    proc, elapsed = _launch("exit")
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
 
 
 def test_stalled_rank_hits_the_deadline():
-    proc, elapsed = _launch("stall", timeout_env="5", np_=2)   # (5 s: as in test_start_and_end_have_deadlines)
+    proc, elapsed = _launch("stall", timeout_env="5")   # (5 s: as in test_start_and_end_have_deadlines)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
@@ -72,7 +73,7 @@ def test_stalled_rank_hits_the_deadline():
 def test_a_rank_that_stalls_in_an_inner_step_is_named_by_its_cluster():
     """Local steps' inner steps reduce on the cluster's channel, off the negotiation: a rank that
     never comes still ends the job at the deadline, named by its cluster's other rank."""
-    proc, elapsed = _launch("stall_in_inner_step", timeout_env="8")
+    proc, elapsed = _launch("stall_in_inner_step", timeout_env="8", np_=4)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
@@ -85,7 +86,7 @@ def test_a_rank_that_joins_during_inner_steps_ends_the_job_naming_it():
     """hvd.join() on rank 1 while rank 0, of its cluster, waits for its inner step's gradients:
     the job ends as soon as the negotiation says rank 1 joined (well before the 60 s deadline),
     naming it and what to do instead."""
-    proc, elapsed = _launch("join_in_inner_steps")
+    proc, elapsed = _launch("join_in_inner_steps", np_=4)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -99,7 +100,7 @@ def test_an_inner_step_buffer_that_pairs_with_another_collective_ends_the_job():
     """Rank 1's lane carries another number, as a buffer from another optimizer or bucket would:
     its cluster's ranks see the sums disagree at the first inner step and end the job, never
     applying the mixed sum."""
-    proc, elapsed = _launch("mispaired_inner_step")
+    proc, elapsed = _launch("mispaired_inner_step", np_=4)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -114,7 +115,7 @@ def test_a_rank_whose_gil_is_held_in_a_blocking_call_is_named_with_the_cause():
     rounds stop: the others' deadline names the negotiation round they were in, what they waited
     for and the rank, and says what may hold the GIL (not a collective that had completed long
     before, as the message named until the collective thread forgot its last op)."""
-    proc, elapsed = _launch("gil_held", timeout_env="8", np_=2)
+    proc, elapsed = _launch("gil_held", timeout_env="8")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
@@ -141,7 +142,7 @@ def test_start_and_end_have_deadlines(mode, what):
     end within STELLA_TIMEOUT and a few seconds, saying what they waited for."""
     # (5 s: with one rank per cluster every wait is on the faulty rank, so a short deadline
     # cannot fire on a healthy one)
-    proc, elapsed = _launch(mode, timeout_env="5", np_=2)
+    proc, elapsed = _launch(mode, timeout_env="5")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, (elapsed, out[-3000:])
@@ -163,7 +164,7 @@ def _ends_the_job(mode, pattern):
     """Rank 1 of faulty_rank.py tampers as ``mode`` says (2 ranks, one per cluster: its one shard
     is the whole tensor): the job ends within 45 s, non-zero, with ``pattern`` (a regular
     expression) in its output, and no rank got past the step."""
-    proc, elapsed = _launch(mode, np_=2)
+    proc, elapsed = _launch(mode)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -188,7 +189,7 @@ def test_a_rank_waiting_inside_gloo_is_not_named_as_silent():
     inside gloo, while it waits (a blocking gloo wait answered only once its own deadline passed,
     so a rank that entered it later looked silent, and a launcher would have taken its whole
     cluster for cut off)."""
-    proc, elapsed = _launch("freeze_in_op", timeout_env="8", env={"STELLA_INTRA_BACKEND": "gloo"})
+    proc, elapsed = _launch("freeze_in_op", timeout_env="8", env={"STELLA_INTRA_BACKEND": "gloo"}, np_=4)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, (elapsed, out[-3000:])
@@ -199,7 +200,7 @@ def test_a_rank_waiting_inside_gloo_is_not_named_as_silent():
 
 
 def test_an_oversized_payload_is_refused_unread_naming_the_sender():
-    proc, elapsed = _launch("oversized", np_=2)
+    proc, elapsed = _launch("oversized")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -212,7 +213,7 @@ def test_an_oversized_payload_is_refused_unread_naming_the_sender():
 def test_a_failed_collective_never_returns_data(mode):
     """The failing rank's caller gets HorovodInternalError (never its own un-reduced input), and
     the job ends everywhere."""
-    proc, elapsed = _launch(mode, np_=2)
+    proc, elapsed = _launch(mode)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed
@@ -223,7 +224,7 @@ def test_a_failed_collective_never_returns_data(mode):
 
 def test_a_terminated_rank_names_itself():
     """Under plain mpirun hydra's report may name another pid: the rank says it was terminated."""
-    proc, elapsed = _launch("term", np_=2)
+    proc, elapsed = _launch("term")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 45, elapsed

@@ -34,8 +34,8 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     pytest.param("np3-uneven-2+1-gloo", 3, {"STELLA_CLUSTERS": "2", "STELLA_INTRA_BACKEND": "gloo"}, DENSE,
                  marks=pytest.mark.slow),   # gloo runs in np2-one-cluster, uneven clusters in np3-uneven-2+1
-    # three clusters, an odd count for the tree's rounds: 15 s against 20 s for four clusters on 2 cores,
-    # and fewer cases skipped (41 passed, 1 skipped against 35 and 7)
+    # three clusters, an odd count for the tree's rounds: 15 s against 20 s for four clusters on
+    # 2 cores, and fewer cases skipped (41 passed, 1 skipped against 35 and 7)
     ("np3-three-clusters-tree", 3, {"STELLA_CLUSTERS": "3", "STELLA_SPARSE_ALGO": "tree"}, SPARSE),
     # (slow: the sparse route's default exchange over three clusters, and the tree over four, repeat
     # what np3-three-clusters-tree and the two-cluster layouts cover)
@@ -73,9 +73,9 @@ def test_suites_on_layout(name, np_, env, suites):
 
 def test_suites_on_uneven_interleaved_clusters():
     """STELLA_CLUSTER labels a,b,a with the mpi intra backend: two clusters, one of two ranks
-    that are not consecutive (0 and 2), one of rank 1 alone; every suite. Uneven and interleaved
-    clusters in one job of three ranks (it stands for np3-uneven-2+1 and the four-rank
-    interleaved layout below in the default run). Every suite but the device route's."""
+    that are not consecutive (0 and 2), one of rank 1 alone; every suite but the device route's.
+    Uneven and interleaved clusters in one job of three ranks (it stands for np3-uneven-2+1 and
+    the four-rank interleaved layout below in the default run)."""
     # (the device route's comparisons run in np4-2x2-device-path)
     parts = [(1, {"STELLA_CLUSTER": lab}, PYTEST) for lab in ("a", "b", "a")]
     _check(run_mpmd(parts, timeout=400, env={"STELLA_INTRA_BACKEND": "mpi"}), "labels a,b,a")

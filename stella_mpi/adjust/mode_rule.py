@@ -471,7 +471,8 @@ class ModeRule:
                 target, band = ("local", self.pseudo_index, "schedule"), CALIBRATION_BAND
         why = "link %.0f Mbit/s measured by the exchange of local steps beyond its %.1f ms of encoding (H=%d%s, " \
               "%s, %.1f ms per step, exchange %.1f ms); local %.3f, sync %.3f%s" % (
-                  bandwidth / 1e6, 1e3 * est.cpu_s, every, schedule.describe(), self.rung.name, 1e3 * step_s, 1e3 * now.exchange_s,
+                  bandwidth / 1e6, 1e3 * est.cpu_s, every, schedule.describe(), self.rung.name, 1e3 * step_s,
+                  1e3 * now.exchange_s,
                   now.score, sync, "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every,
                                                                   o.schedule.describe(), o.score) for o in others))
         mode, reason, taken = self._vote(now.score, there, target, why, band)
