@@ -82,6 +82,8 @@ MODES = {
     "localadapt+thc": ["--mode", "localadapt:thc", "--bits", "4"],
     "switch": ["--mode", "switch:{c}", "--density", "0.01", "--bits", "4"],
     "auto": ["--mode", "auto"],   # the untouched Horovod script: the automatic route
+    "auto:nesterov": ["--mode", "auto", "--auto-outer", "nesterov"],   # the same, its THC rung's outer step
+    # DiLoCo's Nesterov whatever the inner optimizer (before issue 31's choice by optimizer: an ablation)
     "auto:thc": ["--mode", "auto:thc"],   # the same, its pseudo-gradient THC 4 bits alone (before issue 31's rungs)
     "cpu1": ["--mode", "cpu:{c}", "--density", "0.01"],   # the CPU engine with its defaults
     # torchft's peers (bench/torchft_peer.py): DiLoCo every 8 steps, and Streaming DiLoCo (2 fragments,
@@ -164,8 +166,8 @@ def run_one(rate, mode, args, tmp):
     budget = (args.limit_seconds or args.seconds / 2) if mode in NO_WAN else args.seconds
     cmd = [stellarun, "-np", "4"] + layout + [
         "--timeout", "600", sys.executable, os.path.join(HERE, script), "--workload", "lm", "--hidden", str(args.hidden),
-        "--lr", str(args.lr), "--steps", "1000000", "--time-budget", str(budget), "--eval-seconds",
-        str(args.eval_seconds), "--out", out] + how
+        "--lr", str(args.lr), "--optimizer", args.optimizer, "--steps", "1000000", "--time-budget", str(budget),
+        "--eval-seconds", str(args.eval_seconds), "--out", out] + how
     if args.plain_sparse and mode in STELLA_SPARSE:
         cmd.append("--plain-sparse")
     print("  %s %s ..." % (rate, mode), end="", flush=True)
@@ -409,6 +411,8 @@ def main():
                         "namespaces' 0.3 ms)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                   help="every mode's inner optimizer: SGD with momentum 0.9, or Adam (give --lr 2e-3)")
     p.add_argument("--compressor", default="cacheaware")
     p.add_argument("--plain-sparse", action="store_true",
                    help="sparse modes without momentum correction and warm-up (the previous release's defaults)")

@@ -225,6 +225,11 @@ def main():
     p.add_argument("--thc-bits", type=int, nargs="*", default=[],
                    help="adapt modes: THC rungs the adjuster may choose besides the densities (hvd.Adjuster(thc_bits=))")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                   help="the inner optimizer: SGD with momentum 0.9 (the benches' usual), or Adam (give --lr 2e-3)")
+    p.add_argument("--auto-outer", choices=["chosen", "nesterov"], default="chosen",
+                   help="auto: the outer step of its THC rung as the route chooses it by the inner optimizer, or "
+                        "DiLoCo's Nesterov whatever the inner optimizer (the previous release's choice; an ablation)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
     p.add_argument("--window", type=int, default=10, help="steps averaged for --target-loss")
@@ -256,7 +261,8 @@ def main():
         model, task = comm_heavy_model(), RandomTask(rank, 8)
     else:
         model, task = ByteMLP(32, hidden=args.hidden), ByteBatches(load_corpus(), 32, 64, seed=1 + rank + 1000 * args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd" \
+        else torch.optim.Adam(model.parameters(), lr=args.lr)
     hvd = None
     if args.mode == "compute":
         net = model
@@ -268,6 +274,9 @@ def main():
         if args.mode == "dense":   # Horovod's exact dense numerics across clusters (not the automatic route)
             os.environ["STELLA_WAN_ROUTE"] = "dense"
         import stella_mpi as hvd
+        if args.auto_outer == "nesterov":   # the ablation: the previous release's THC outer step for every inner
+            from stella_mpi.optim import tuning
+            tuning.AUTO_OUTER_ADAPTIVE = tuning.AUTO_OUTER
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         kind, _, comp_name = args.mode.partition(":")

@@ -165,7 +165,8 @@ def start_torchft(args, model, every, nfrag):
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum) if args.optimizer == "sgd" else \
+        torch.optim.Adam(model.parameters(), lr=args.lr)
 
     # across replica groups: torchft
     def state_dict():
@@ -236,6 +237,8 @@ def main():
                    help="training seconds between held-out evaluations recorded in 'curve' (0: at the end only)")
     p.add_argument("--lr", type=float, default=0.05, help="inner SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="inner SGD momentum (e2e_train: 0.9)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                   help="the inner optimizer, as e2e_train's: SGD with --momentum, or Adam (give --lr 2e-3)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--seed", type=int, default=0, help="initial weights' seed (e2e_train: 0); data seeds "
                                                       "1 + rank + seed")
@@ -366,8 +369,8 @@ def main():
     settings = {"version": version("torchft"), "kind": kind, "sync_every": every,
                 "fragments": nfrag, "fragment_sync_delay": args.fragment_sync_delay,
                 "fragment_update_alpha": args.fragment_update_alpha, "outer_lr": args.outer_lr,
-                "outer_momentum": args.outer_momentum, "nesterov": args.nesterov, "inner_lr": args.lr,
-                "inner_momentum": args.momentum, "bucket_cap_mb": args.bucket_cap_mb or None,
+                "outer_momentum": args.outer_momentum, "nesterov": args.nesterov, "inner_optimizer": args.optimizer,
+                "inner_lr": args.lr, "inner_momentum": args.momentum, "bucket_cap_mb": args.bucket_cap_mb or None,
                 "should_quantize": args.quantize, "outer_steps": manager.current_step(),
                 "batches_committed": manager.batches_committed(), **info}
     if rank == 0:
