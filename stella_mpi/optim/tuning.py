@@ -71,7 +71,9 @@ route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0
 # and the adjuster's rungs
 AUTO_DENSITY = 0.01
 AUTO_PSEUDO_BITS = 4
-AUTO_OUTER = "nesterov"   # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): ahead of averaging by step 250-400 here
+# the THC rung's outer step, by the inner optimizer (:func:`auto_outer_of`)
+AUTO_OUTER = "nesterov"            # SGD and the rest: DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
+AUTO_OUTER_ADAPTIVE = "average"    # the Adam family (a param group with ``betas``): averaging
 AUTO_THC_BITS = (2, 4, 8)
 _exchanges = itertools.count()   # names each optimizer's pseudo-gradient exchange (same order on every rank)
 
@@ -87,14 +89,31 @@ def auto_pseudo_rungs():
             Compression.sparseloco(density=0.03, bits=2, feedback_decay=0.95))
 
 
-def auto_outer_of(comp, nclusters):
-    """The automatic route's outer SGD hyperparameters for a pseudo rung: DiLoCo's Nesterov
-    (``AUTO_OUTER``) for THC; for a sparse rung the clusters' sum (``LocalSteps(outer="sum")``:
-    lr C, no momentum), because the mean over clusters halves an entry one cluster sent and
-    Nesterov's momentum on top of error feedback overshoots (bench/bench_parity.py, 4 seeds at 1 %:
-    sum +0.15 %, averaging +4.6 %, Nesterov +16 % over uncompressed local 8)."""
+def adaptive_inner(opt):
+    """Whether the inner optimizer ``opt`` is of the Adam family (Adam, AdamW, NAdam, RAdam,
+    Adamax, and any optimizer whose param groups hold ``betas``): it scales each coordinate's step
+    by its own running second moment."""
+    return any("betas" in g for g in opt.param_groups)
+
+
+def auto_outer_of(comp, nclusters, adaptive=False):
+    """The automatic route's outer SGD hyperparameters for a pseudo rung.
+
+    * A sparse rung: the clusters' sum (``LocalSteps(outer="sum")``: lr C, no momentum), because
+      the mean over clusters halves an entry one cluster sent and Nesterov's momentum on top of
+      error feedback overshoots (bench/bench_parity.py, 4 seeds at 1 %: sum +0.15 %, averaging
+      +4.6 %, Nesterov +16 % over uncompressed local 8).
+    * THC under an ``adaptive`` inner optimizer (:func:`adaptive_inner`): averaging
+      (``AUTO_OUTER_ADAPTIVE``). With Adam inside, averaging ended 12-19 % below DiLoCo's Nesterov
+      at equal steps in 10 of 10 pairs, on clusters of 1 and 2 ranks, blocking and in fragments
+      (bench/results/outer_step_31_s10.json), 9 % below on the time-to-loss bench's LM
+      (outer_step_31_adam_lm_s11.json), and 4-8 % below at 40 s in time to loss
+      (time_to_loss_31_adam_s11_*.json).
+    * THC under SGD and the rest: DiLoCo's Nesterov (``AUTO_OUTER``; on the time-to-loss bench's
+      LM, 2 clusters of 2 ranks, it ended 10 % below averaging)."""
     sparse = getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False)
-    return LocalSteps(every=1, outer="sum" if sparse else AUTO_OUTER).preset_hyperparameters(nclusters)
+    outer = "sum" if sparse else AUTO_OUTER_ADAPTIVE if adaptive else AUTO_OUTER
+    return LocalSteps(every=1, outer=outer).preset_hyperparameters(nclusters)
 
 
 def compose(opt):
@@ -522,7 +541,8 @@ class ModeSwitch:
         else:   # the automatic route's sparse rungs; 16-bit values where the user asked for fp16/bf16
             value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
             base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
-        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER)
+        adaptive = adaptive_inner(opt)
+        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER_ADAPTIVE if adaptive else AUTO_OUTER)
         if schedules_fit(ls) and ls.mix == 0:   # the adjuster's delays keep the cluster's progress
             ls = dataclasses.replace(ls, mix="progress")
         # the pseudo-gradient's rungs: the user's (the adjuster's, or LocalSteps' one); the
@@ -531,7 +551,7 @@ class ModeSwitch:
                                           auto_pseudo_rungs() if automatic else
                                           (Compression.thc(bits=AUTO_PSEUDO_BITS),))
         # the outer step follows the rung where the route chose the outer optimizer too
-        rung_outers = [auto_outer_of(c, spec.clusters) for c in rungs] if spec.local_steps is None else None
+        rung_outers = [auto_outer_of(c, spec.clusters, adaptive) for c in rungs] if spec.local_steps is None else None
         pset = spec.process_set
         probe = probe_link(pset) if automatic and pset.included() and spec.clusters >= 2 else None
         session = adjust_session(settings, base, pset, overlap=False, passes=spec.passes) \

@@ -1022,17 +1022,21 @@ def test_local_steps_with_a_sparseloco_pseudo_gradient_meet_on_the_same_paramete
 
 
 @pytest.mark.auto_route
-def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost():
-    """The automatic route's THC rung steps by DiLoCo's Nesterov: its rung carries the measured
-    period cost (optim/tuning.py's outer_period_cost), SparseLoCo's (the clusters' sum) none; in
-    local mode the local-steps rule chooses H by the mode rule's score of the rung in force."""
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
+    """The automatic route's THC rung steps by DiLoCo's Nesterov under SGD, by averaging under
+    Adam (optim/tuning.py's auto_outer_of): under SGD its rung carries the measured period cost
+    (outer_period_cost), SparseLoCo's (the clusters' sum) none, and under Adam no rung does; in
+    local mode the local-steps rule chooses H by the mode rule's score of the rung in force, and
+    the outer optimizers step with that rung's hyperparameters."""
     from stella_mpi.optim.tuning import outer_period_cost
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no automatic route across clusters")
-    seen = []
+    seen, outers = [], set()
 
     def make(model):
-        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+        base = _sgd(model) if inner == "sgd" else torch.optim.Adam(model.parameters(), lr=1e-3)
+        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                         adjuster=hvd.Adjuster(interval=1, window=1))
 
     def watch(step, model, opt):
@@ -1043,10 +1047,17 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost():
             score = opt._tuner.local.rule.score
             seen.append((opt._tuner.pseudo.name, score(0.05, 0.02, 16) == rule.local_score(
                 rule.sync_estimate, 0.05, 0.02, 16)))
+            outers.update((opt._tuner.pseudo.name, g["lr"], g["momentum"], g["nesterov"])
+                          for o in opt.outer_optimizers for g in o.param_groups)
 
     model, opt = _train_with(make, 16, watch)
     rungs = opt._tuner.rule.pseudo
-    assert [r.period for r in rungs] == [outer_period_cost, None, None], rungs
+    thc_period = outer_period_cost if inner == "sgd" else None
+    assert [r.period for r in rungs] == [thc_period, None, None], rungs
     assert seen and all(same for _, same in seen), seen
+    thc = {"sgd": (0.7, 0.9, True), "adam": (1.0, 0.0, False)}[inner]
+    clusters = float(hvd.global_process_set.topology.num_clusters)
+    assert outers and all(tuple(hp) == (thc if name.startswith("thc") else (clusters, 0.0, False))
+                          for name, *hp in outers), outers
     opt.sync_clusters()
     _assert_same_everywhere(model)
