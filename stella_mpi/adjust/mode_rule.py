@@ -269,6 +269,9 @@ class ModeRule:
     # local decisions left in which the schedule entered from a prediction may be corrected from
     # the measured one without the dead band (after_local: CALIBRATION)
     _calibrating: int = 0
+    # whether a local phase was measured since the rule started or took a mode (after_local):
+    # until then local steps are entered without the dead band (after_sync)
+    _measured_local: bool = False
 
     def __post_init__(self):
         self.pseudo = tuple(self.pseudo)
@@ -381,7 +384,14 @@ class ModeRule:
                   1e3 * best.exchange_s, est.elements, link / 1e6, here, best.score,
                   "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every, o.schedule.describe(), o.score)
                           for o in options if o is not best))
-        mode, reason, taken = self._vote(here, best.score, _key(best), why)
+        # the first entry waives the dead band (two votes running are still needed): a local step
+        # is predicted with every wait of the synchronous step but its wire and its CPU work, an
+        # upper bound (on the byte LM, 2 clusters of 2 ranks: 87 ms predicted, 61 ms measured
+        # with SGD inside; 153 against 85 with Adam, whose step of 45-70 ms on both sides kept
+        # local steps inside the band for 130 steps), and the first periods measure it: after_local
+        # goes back past the band when sync is cheaper
+        mode, reason, taken = self._vote(here, best.score, _key(best), why,
+                                         *(() if self._measured_local else (0.0, True)))
         if taken:
             self.pseudo_index = best.rung
             self._calibrating = CALIBRATION if self.schedules else 0
@@ -408,6 +418,7 @@ class ModeRule:
         exchange in flight shares the collective thread and the cores with the steps beside
         it), is its kind's overhead."""
         est = self.sync_estimate
+        self._measured_local = True
         if est is None:   # a checkpoint without one: go back to measure the synchronous route
             return self._vote(1.0, 0.0, "sync", "no estimate of the synchronous route (a checkpoint without one): it "
                                                 "is measured again")[:2]
@@ -487,6 +498,7 @@ class ModeRule:
         saved with it (an Estimate, or None), the pseudo rung and the schedule; the dead band
         starts over."""
         self.mode, self._votes, self._held, self._candidate, self._calibrating = mode, 0, 0, None, 0
+        self._measured_local = False
         # what schedules cost is measured again (a rank that joins, elastic, starts without it)
         self.overheads, self.base = {}, None
         if schedule is not None:
@@ -500,14 +512,15 @@ class ModeRule:
         """The synchronous estimate as a dict (for a checkpoint), or None."""
         return dataclasses.asdict(self.sync_estimate) if self.sync_estimate is not None else None
 
-    def _vote(self, here, there, target, why, band=None):
+    def _vote(self, here, there, target, why, band=None, wait=None):
         """One decision: ``target`` ("sync", or ("local", rung)) is taken when its score is below
         ``1 - h/2`` times the current choice's in two decisions running for the same target, and
         not before ``Adjuster.window`` decisions in the current mode and rung. ``band``: a dead
-        band of its own (the calibration's), and no wait for the window. Returns (mode,
-        reason, whether the target was taken)."""
+        band of its own (the calibration's, the first entry's), and, unless ``wait``, no wait for
+        the window. Returns (mode, reason, whether the target was taken)."""
         self._held += 1
-        ready = self._held > int(self.settings.window) or band is not None
+        wait = band is None if wait is None else wait
+        ready = self._held > int(self.settings.window) or not wait
         band = self.settings.hysteresis / 2 if band is None else band
         if there < (1.0 - band) * here and ready:
             self._votes = self._votes + 1 if target == self._candidate else 1

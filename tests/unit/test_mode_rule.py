@@ -83,11 +83,32 @@ def test_one_vote_is_not_enough_and_a_steady_decision_resets_it():
     # dense synchronous steps: 6 MB per step, 2.4 s at 20 Mbit/s, 5 ms at 10 Gbit/s (where local
     # steps save less than the dead band)
     fast, slow = estimate(10000 * MBIT), estimate(20 * MBIT)
+    r._measured_local = True   # (a local phase was measured: the dead band applies; the first entry waives it)
     assert r.after_sync(slow)[0] == "sync"    # within the window: no vote
     assert r.after_sync(slow)[0] == "sync"    # vote 1
     assert r.after_sync(fast)[0] == "sync"    # the link is back: the vote is dropped
     assert r.after_sync(slow)[0] == "sync"    # vote 1 again
     assert r.after_sync(slow)[0] == "local"
+
+
+def test_the_first_entry_waives_the_dead_band_until_a_local_phase_is_measured():
+    """A local step is predicted with every wait of the synchronous step (an upper bound): the
+    first entry needs two votes running but no dead band; once a local phase has been measured
+    (after_local) the band applies, and a mode taken from a checkpoint or the root starts over."""
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=1.0, max_density=1.0)
+    r, _ = rule(s, pseudo_backlog=0.5)
+    fast = estimate(10000 * MBIT)   # local steps save less than the dead band
+    assert r.after_sync(fast)[0] == "sync"    # within the window: no vote
+    assert r.after_sync(fast)[0] == "sync"    # vote 1
+    mode, why = r.after_sync(fast)
+    assert mode == "local" and why.startswith("local reaches the loss sooner"), why
+    r.after_local(0.060, 0.001, r.predicted_every)   # a local phase measured
+    assert r._measured_local
+    r.take("sync", fast)
+    assert not r._measured_local                      # taken: starts over
+    r2, _ = rule(s, pseudo_backlog=0.5)
+    r2._measured_local = True
+    assert all(r2.after_sync(fast)[0] == "sync" for _ in range(6))   # inside the band: stays
 
 
 def test_local_mode_measures_the_link_and_returns_when_sync_is_cheaper():
