@@ -364,14 +364,42 @@ def sparse_pseudo_factor(every):
 OUTER_MOMENTUM_PERIOD = ((2, 9.33), (4, 2.98), (8, 1.62), (16, 1.33), (32, 1.0), (64, 1.08))
 
 
-def outer_period_cost(every):
-    """The inner steps the automatic route's outer Nesterov needs at H = ``every``, over its
-    best H's (:data:`OUTER_MOMENTUM_PERIOD`)."""
+# The same for averaging under an Adam-family inner optimizer (the automatic route's THC outer
+# step there): level up to H = 16, a little more beyond. Measured on the same LM with Adam 2e-3,
+# 600 steps, seed 0 (bench/results/outer_period_31_adam_s11.json): held-out loss 1.771, 1.783,
+# 1.777, 1.780, 1.810 and 1.834 at H = 2 to 64, and 1.80 for dense; each converted to the steps
+# dense training needed to reach it on its curve (1500 steps, evaluated every ~30, its running
+# minimum) and taken over the mean of H = 2-16: 0.99-1.01 there (taken as 1), 1.16 at 32, 1.19
+# at 64.
+OUTER_AVERAGE_PERIOD = ((2, 1.0), (16, 1.0), (32, 1.16), (64, 1.19))
+
+
+def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
+    """The inner steps an outer step needs at H = ``every``, over its best H's, interpolated in
+    ``table`` (default the automatic route's outer Nesterov's: :data:`OUTER_MOMENTUM_PERIOD`)."""
     x = math.log2(max(float(every), 1.0))
-    pts = [(math.log2(h), math.log(c)) for h, c in OUTER_MOMENTUM_PERIOD]
+    pts = [(math.log2(h), math.log(c)) for h, c in table]
     i = max(1, min(len(pts) - 1, next((k for k, (px, _) in enumerate(pts) if px >= x), len(pts) - 1)))
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
     return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def average_period_cost(every):
+    """:func:`outer_period_cost` of averaging under an Adam-family inner optimizer
+    (:data:`OUTER_AVERAGE_PERIOD`)."""
+    return outer_period_cost(every, OUTER_AVERAGE_PERIOD)
+
+
+def period_cost_of(hp, adaptive):
+    """The period cost (``PseudoRung.period``) of an outer SGD with hyperparameters ``hp``: an
+    outer step with momentum, :func:`outer_period_cost`; averaging (lr 1, no momentum) under an
+    ``adaptive`` inner optimizer, :func:`average_period_cost`; otherwise (the clusters' sum of a
+    sparse rung, or averaging under SGD, not measured) None, 1 at every H."""
+    if hp.get("momentum", 0.0) > 0:
+        return outer_period_cost
+    if adaptive and hp.get("lr") == 1.0:
+        return average_period_cost
+    return None
 
 
 def _backlog_of(controller, comp):
@@ -500,23 +528,24 @@ class ModeSwitch:
             # (a fragment holds at least one parameter: F above their count is not offered)
             fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
             self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
-                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c),
-                                             outer_period_cost if m > 0 else None)
-                                  for n, c, m in zip(self.rung_names, self.rungs,
-                                                     self._outer_momenta(local))],
+                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c), period)
+                                  for n, c, period in zip(self.rung_names, self.rungs, self._rung_periods(local))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)),
                                  shares={f: fragment_shares(local.named, f) for f in fitting})
             local.schedules_chosen = self.rule.schedules
 
-    def _outer_momenta(self, local):
-        """Per rung, the momentum of the outer step it runs with: the automatic route's for that
-        rung, else the user's outer optimizer's (0 for averaging and the clusters' sum)."""
+    def _rung_periods(self, local):
+        """Per rung, the period cost of the outer step it runs with (:func:`period_cost_of`): the
+        automatic route's outer step for that rung, else the user's outer optimizer's (the largest
+        momentum and learning rate of its groups)."""
+        adaptive = adaptive_inner(self.opt)
         if self.rung_outers:
-            return [hp.get("momentum", 0.0) for hp in self.rung_outers]
+            return [period_cost_of(hp, adaptive) for hp in self.rung_outers]
         groups = [g for outer in local.outers for g in outer.param_groups]
-        return [max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)] * len(self.rungs)
+        hp = {k: max((float(g.get(k, 0.0)) for g in groups), default=0.0) for k in ("momentum", "lr")}
+        return [period_cost_of(hp, adaptive)] * len(self.rungs)
 
     @property
     def pseudo(self):

@@ -135,6 +135,22 @@ def test_with_overlap_the_scored_period_counts_only_the_wire_it_does_not_hide():
     assert seen[8] == pytest.approx(0.021) and seen[16] == pytest.approx(0.001)
 
 
+def test_averaging_under_adam_costs_little_up_to_h16_and_a_period_cost_follows_the_outer_step():
+    """OUTER_AVERAGE_PERIOD (bench/results/outer_period_31_adam_s11.json): level up to H = 16,
+    16 % more steps at 32, 19 % at 64; period_cost_of picks the table by the outer step."""
+    from stella_mpi.optim.tuning import (OUTER_AVERAGE_PERIOD, average_period_cost, outer_period_cost,
+                                         period_cost_of)
+    for h, c in OUTER_AVERAGE_PERIOD:
+        assert average_period_cost(h) == pytest.approx(c)
+    assert average_period_cost(1) == pytest.approx(1.0) and average_period_cost(8) == pytest.approx(1.0)
+    assert 1.0 < average_period_cost(24) < average_period_cost(32) < average_period_cost(64) < average_period_cost(128)
+    nesterov, average, summed = ({"lr": 0.7, "momentum": 0.9, "nesterov": True}, {"lr": 1.0, "momentum": 0.0},
+                                 {"lr": 2.0, "momentum": 0.0})
+    assert period_cost_of(nesterov, False) is period_cost_of(nesterov, True) is outer_period_cost
+    assert period_cost_of(average, True) is average_period_cost
+    assert period_cost_of(average, False) is None and period_cost_of(summed, True) is None
+
+
 def test_the_outer_period_cost_is_least_at_32_and_follows_the_measured_points():
     from stella_mpi.optim.tuning import OUTER_MOMENTUM_PERIOD, outer_period_cost
     for h, c in OUTER_MOMENTUM_PERIOD:
