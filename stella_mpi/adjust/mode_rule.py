@@ -393,7 +393,7 @@ class ModeRule:
         # local steps inside the band for 130 steps), and the first periods measure it: after_local
         # goes back past the band when sync is cheaper
         mode, reason, taken = self._vote(here, best.score, _key(best), why,
-                                         *(() if self._measured_local else (0.0, True)))
+                                         band=None if self._measured_local else 0.0, wait=True)
         if taken:
             self.pseudo_index = best.rung
             self._calibrating = CALIBRATION if self.schedules else 0
