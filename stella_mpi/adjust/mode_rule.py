@@ -108,6 +108,14 @@ model (blocked time, and steps slower than that) is remembered per kind (``overh
 charged to it from then on, so a schedule that does not pay is left, and tried again only
 where it would win even at that cost.
 
+An exchange in flight slows the steps beside it by its own work (encoding, decoding, the wire's
+handling on the collective thread), once per period, so by less the longer H: once delayed
+schedules of the rung have been measured at two H or more, every delayed option at H is scored
+at ``base + per_exchange / H`` fitted to them (:func:`inflight_fit`), not at the step the current
+one measured (on the byte LM with Adam, 2 clusters of 2 ranks on 2 cores, at 1 Gbit/s: 107-157 ms
+a step at H=2 and 82-91 ms at H=16; scored at H=4's measured step, every H looked as slow, and
+a run stayed at H=4 for 176 steps).
+
 Hysteresis, as the controller's: the other mode (or rung) is taken when its score is below
 ``1 - h/2`` times the current one's, in two decisions running for the same choice, and not before
 ``Adjuster.window`` decisions have been taken in the current mode and rung (the estimates then
@@ -206,6 +214,25 @@ def delay_for(every, fragments, max_delay, wire_s, latency_s, step_s, cpu_s=0.0,
     return min(need, int(max_delay), every // fragments - 1)
 
 
+def inflight_fit(paced):
+    """``(base_s, per_exchange_s)``: the seconds per step with no exchange in flight, and what
+    each period's exchange adds to the steps beside it, fitted as ``step = base + per_exchange /
+    H`` by least squares to ``paced`` (H -> seconds per step measured under a delayed schedule);
+    None with fewer than two H, or where the steps were not slower at the shorter H (nothing
+    to fit: the options keep the measured step)."""
+    if len(paced) < 2:
+        return None
+    xs = [1.0 / h for h in paced]
+    ys = list(paced.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    per_exchange = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    base = my - per_exchange * mx
+    if per_exchange <= 0.0 or base <= 0.0:
+        return None
+    return base, per_exchange
+
+
 @dataclass(frozen=True)
 class PseudoRung:
     """One compression the pseudo-gradient may cross the WAN with (``Adjuster(pseudo_rungs=...)``).
@@ -265,6 +292,9 @@ class ModeRule:
     # blocking schedule: under another schedule every option is predicted from them (its exchange
     # in flight may slow the steps beside it and its own wire: that is its overhead)
     base: Optional[tuple] = None
+    # per H, the seconds per step last measured under a delayed schedule of the current rung (the
+    # exchange in flight beside the steps): what :func:`inflight_fit` scores delayed options by
+    paced: dict = dataclasses.field(default_factory=dict)
     _votes: int = 0       # decisions running that favoured the same other choice
     _held: int = 0        # decisions taken in the current mode (and rung)
     _candidate: object = None   # that choice: "sync", or ("local", rung)
@@ -331,7 +361,7 @@ class ModeRule:
         blocked = blocked_time(step_s, exchange_s, every, wire_s)
         return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
 
-    def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None):
+    def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None, fit=None):
         """The options of rung ``rung`` under each schedule: ``blocking`` (the whole-model
         blocking one's), then per F on ``Adjuster.fragments`` (with ``schedules`` and a
         ``max_delay``) the smallest H on the ladder, a multiple of F with room for a delay, whose
@@ -339,7 +369,8 @@ class ModeRule:
         hides one fragment's exchange (:func:`delay_for`). What that kind of schedule cost beyond
         the model when it last ran (``overheads``; else ``overhead``, the current schedule's, in
         local steps; else nothing) is charged: the blocked seconds of each of its F landings,
-        and the slowdown of each step."""
+        and the slowdown of each step; with ``fit`` (:func:`inflight_fit`), each step at H is
+        ``base + per_exchange / H`` instead."""
         s = self.settings
         options = [blocking]
         if not self.schedules or int(s.max_delay) < 1:
@@ -347,9 +378,9 @@ class ModeRule:
         latency = est.messages * est.latency_s
         for f in s.fragments:
             per_landing, slower = self.overheads.get((f, True), overhead or (0.0, 0.0))
-            step = step_s + slower
             scored = []
             for h in [h for h in s.local_steps if h % f == 0 and h // f >= 2]:
+                step = fit[0] + fit[1] / h if fit is not None else step_s + slower
                 shares = self.shares.get(f)
                 sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s, shares))
                 blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched, shares) + f * per_landing
@@ -431,6 +462,12 @@ class ModeRule:
         if not streaming and wire_s is None:   # the blocking schedule: the baseline of the others
             self.base = (step_s, transfer, self.rung.payload_per_entry)
         base = step_s
+        fit = None
+        if streaming:
+            self.paced[every] = step_s
+            fit = inflight_fit(self.paced)
+            if fit is not None and self.base is None:   # no blocking phase measured: the fitted step
+                base = fit[0]
         if streaming and self.base is not None:
             # a schedule's wire holds its wait on the collective thread and the cores it shares with
             # the steps beside it: the link and every option are predicted from the blocking
@@ -463,7 +500,7 @@ class ModeRule:
                     others.append(self._option(est, j, step_s, exchange_s, wire_j + est.cpu_s))
                 continue
             options = self._schedules(est, j, base, est.cpu_s, wire_j, self._option(est, j, base, wire_j + est.cpu_s),
-                                      overhead)
+                                      overhead, fit)
             if j == self.pseudo_index:   # this rung under another kind of schedule
                 options = [o for o in options if o.schedule.kind != schedule.kind]
             if options:
@@ -490,6 +527,8 @@ class ModeRule:
                                                                   o.schedule.describe(), o.score) for o in others))
         mode, reason, taken = self._vote(now.score, there, target, why, band)
         if taken and target != "sync":
+            if best.rung != self.pseudo_index:   # another rung's exchange costs the steps its own
+                self.paced = {}
             self.pseudo_index, self.predicted_every, self.predicted_schedule = best.rung, best.every, best.schedule
         if taken:
             self._calibrating = 0
@@ -502,7 +541,7 @@ class ModeRule:
         self.mode, self._votes, self._held, self._candidate, self._calibrating = mode, 0, 0, None, 0
         self._measured_local = False
         # what schedules cost is measured again (a rank that joins, elastic, starts without it)
-        self.overheads, self.base = {}, None
+        self.overheads, self.base, self.paced = {}, None, {}
         if schedule is not None:
             self.predicted_schedule = schedule
         if estimate is not None:

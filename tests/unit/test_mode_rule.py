@@ -3,6 +3,7 @@
 time-to-loss unit, hysteresis, and the predictions each mode makes of the other."""
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -574,6 +575,34 @@ def test_a_schedule_whose_steps_run_slower_is_charged_for_them_and_left():
     assert r.base[0] == 0.010   # (kept: measured under the blocking schedule only)
     r.take("local", r.sync_estimate)
     assert r.overheads == {} and r.base is None
+
+
+def test_delayed_options_are_scored_at_the_step_fitted_over_the_measured_periods():
+    """An exchange in flight slows the steps beside it once per period: measured under a
+    delayed schedule at 111 ms a step at H=2 and 99 ms at H=4 (no blocking phase), the fit
+    gives 87 ms with no exchange in flight and 48 ms per exchange, so a delayed option at H=16
+    is scored at 90 ms, not at H=4's 99: the best other schedule is a long period, about 10 %
+    below the one in force, where scored at the measured step a short one led by 2 %. One H
+    alone, or steps no slower at the shorter H, fit nothing; a checkpoint's take() forgets."""
+    from stella_mpi.adjust.mode_rule import inflight_fit
+    from stella_mpi.optim.tuning import average_period_cost   # (averaging under Adam: flat to H=16)
+    assert inflight_fit({2: 0.111}) is None and inflight_fit({2: 0.090, 4: 0.095}) is None
+    base, per_exchange = inflight_fit({2: 0.111, 4: 0.099})
+    assert base == pytest.approx(0.087) and per_exchange == pytest.approx(0.048)
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    est = dataclasses.replace(estimate(1000 * MBIT, compute_s=0.040, fixed_s=0.040, elements=1.2e6), cpu_s=0.009)
+    r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5, period=average_period_cost)],
+                 link_bps=1000 * MBIT, schedules=True)
+    while r.mode == "sync":
+        r.after_sync(est)
+    r.after_local(0.111, 0.010, 2, wire_s=0.10, schedule=Schedule(1, 1))
+    _, why = r.after_local(0.099, 0.010, 4, wire_s=0.12, schedule=Schedule(1, 1))
+    assert r.paced == {2: 0.111, 4: 0.099}
+    now = float(re.search(r"local ([0-9.]+), sync", why).group(1))
+    other = re.search(r"thc 4 bits H=(\d+)[a-z0-9, ]* ([0-9.]+)$", why)
+    assert int(other.group(1)) >= 16 and float(other.group(2)) < 0.92 * now, why
+    r.take("local", r.sync_estimate)
+    assert r.paced == {}
 
 
 def test_schedules_are_offered_where_no_inner_step_waits_on_the_collective_thread():
