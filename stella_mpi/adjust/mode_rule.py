@@ -462,12 +462,6 @@ class ModeRule:
         if not streaming and wire_s is None:   # the blocking schedule: the baseline of the others
             self.base = (step_s, transfer, self.rung.payload_per_entry)
         base = step_s
-        fit = None
-        if streaming:
-            self.paced[every] = step_s
-            fit = inflight_fit(self.paced)
-            if fit is not None and self.base is None:   # no blocking phase measured: the fitted step
-                base = fit[0]
         if streaming and self.base is not None:
             # a schedule's wire holds its wait on the collective thread and the cores it shares with
             # the steps beside it: the link and every option are predicted from the blocking
@@ -492,6 +486,14 @@ class ModeRule:
             overhead = (max(0.0, exchange_s - modelled) / schedule.fragments,
                         max(0.0, step_s - base))
             self.overheads[schedule.kind] = overhead
+        # the options' step: a delayed one's fitted over the H measured (when there are two), the
+        # blocking one's as measured, else the fit's step with nothing in flight
+        fit, scored = None, base
+        if streaming:
+            self.paced[every] = step_s
+            fit = inflight_fit(self.paced)
+            if fit is not None and self.base is None:
+                scored = fit[0]
         others = []
         for j, r in enumerate(self.pseudo):
             wire_j = latency + moved * r.payload_per_entry / max(self.rung.payload_per_entry, 1e-12)
@@ -499,8 +501,8 @@ class ModeRule:
                 if j != self.pseudo_index:
                     others.append(self._option(est, j, step_s, exchange_s, wire_j + est.cpu_s))
                 continue
-            options = self._schedules(est, j, base, est.cpu_s, wire_j, self._option(est, j, base, wire_j + est.cpu_s),
-                                      overhead, fit)
+            options = self._schedules(est, j, scored, est.cpu_s, wire_j,
+                                      self._option(est, j, scored, wire_j + est.cpu_s), overhead, fit)
             if j == self.pseudo_index:   # this rung under another kind of schedule
                 options = [o for o in options if o.schedule.kind != schedule.kind]
             if options:
