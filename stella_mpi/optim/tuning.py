@@ -96,6 +96,12 @@ def adaptive_inner(opt):
     return any("betas" in g for g in opt.param_groups)
 
 
+def auto_thc_outer(adaptive):
+    """The ``LocalSteps`` outer preset of the automatic route's THC rung (and of its default
+    local steps): averaging under an ``adaptive`` inner optimizer, else DiLoCo's Nesterov."""
+    return AUTO_OUTER_ADAPTIVE if adaptive else AUTO_OUTER
+
+
 def auto_outer_of(comp, nclusters, adaptive=False):
     """The automatic route's outer SGD hyperparameters for a pseudo rung.
 
@@ -112,7 +118,7 @@ def auto_outer_of(comp, nclusters, adaptive=False):
     * THC under SGD and the rest: DiLoCo's Nesterov (``AUTO_OUTER``; on the time-to-loss bench's
       LM, 2 clusters of 2 ranks, it ended 10 % below averaging)."""
     sparse = getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False)
-    outer = "sum" if sparse else AUTO_OUTER_ADAPTIVE if adaptive else AUTO_OUTER
+    outer = "sum" if sparse else auto_thc_outer(adaptive)
     return LocalSteps(every=1, outer=outer).preset_hyperparameters(nclusters)
 
 
@@ -571,7 +577,7 @@ class ModeSwitch:
             value_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(getattr(spec.compression, "name", ""), "float32")
             base = Compression.cacheaware(density=AUTO_DENSITY, value_dtype=value_dtype)
         adaptive = adaptive_inner(opt)
-        ls = spec.local_steps or LocalSteps(every=8, outer=AUTO_OUTER_ADAPTIVE if adaptive else AUTO_OUTER)
+        ls = spec.local_steps or LocalSteps(every=8, outer=auto_thc_outer(adaptive))
         if schedules_fit(ls) and ls.mix == 0:   # the adjuster's delays keep the cluster's progress
             ls = dataclasses.replace(ls, mix="progress")
         # the pseudo-gradient's rungs: the user's (the adjuster's, or LocalSteps' one); the
