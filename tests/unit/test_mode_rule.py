@@ -259,18 +259,20 @@ def test_the_rung_entering_local_steps_follows_the_link():
 def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
     """THC's exchange measured at 2 s (the link fell to 2 Mbit/s): SparseLoCo's, predicted from it
     by the payloads' ratio, wins; after the dead band (two votes) the rule takes it, mode still
-    local, at the H it predicts."""
+    local, at the H it predicts, and forgets the step times THC's exchanges in flight gave."""
     r, s = auto_rule(1000 * MBIT)
     est = dataclasses.replace(estimate(1000 * MBIT), cpu_s=0.004, backlog_kappa_thc=1.0)
     while r.mode == "sync":
         r.after_sync(est)
     assert r.rung.name == "thc 4 bits"
+    r.paced = {2: 0.060, 4: 0.058}   # as THC's exchange in flight slowed the steps (a delayed schedule)
     slow = 0.002 + 0.004 + 8 * 0.5e6 / (2 * MBIT)   # THC's 0.5 MB per exchange at 2 Mbit/s
     outcomes = [r.after_local(0.056, slow, 64) for _ in range(3)]
     assert [m for m, _ in outcomes] == ["local"] * 3
     assert outcomes[1][1].startswith("steady") and "sparseloco" in outcomes[1][1]
     assert outcomes[2][1].startswith("local steps through sparseloco"), outcomes[2][1]
     assert r.rung.name.startswith("sparseloco") and r.mode == "local"
+    assert r.paced == {}   # SparseLoCo's exchange slows the steps by its own work: measured again
     moved = slow - 0.002 - 0.004
     thc = r.pseudo[0].payload_per_entry   # (about 0.5 bytes per entry between two clusters)
     x = 0.006 + moved * r.rung.payload_per_entry / thc
