@@ -231,11 +231,15 @@ def test_delayed_link_is_removed_after_ctrl_c():
     from stellarun.wan import leftovers
     proc = _stellarun_bg("-np", "2", "--clusters", "2", "--wan", "100mbit", "--wan-delay", "30ms",
                          sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)")
-    started = 0
-    for line in proc.stdout:   # both ranks run
-        started += "started" in line
-        if started == 2:
+    seen = ""
+    for line in proc.stdout:   # both ranks run (counted in the text so far: a line may hold both)
+        seen += line
+        if seen.count("started") >= 2:
             break
+    else:
+        proc.wait(timeout=60)
+        pytest.fail("the job ended (exit %s) before both ranks said 'started'; its output:\n%s"
+                    % (proc.returncode, seen[-3000:]))
     assert leftovers(proc.pid), "the emulation should exist while the job runs"
     proc.send_signal(signal.SIGINT)
     try:
