@@ -122,6 +122,10 @@ MODES = {
     # ... and without the fragments, at the automatic route's H at 1 Gbit/s (16) and torchft's (32)
     "diloco16+thc": ["--mode", "diloco:16:thc", "--bits", "4"],
     "diloco32+thc": ["--mode", "diloco:32:thc", "--bits", "4"],
+    # each rank a replica (LocalSteps(inner="rank")): no reduction inside a cluster at inner steps
+    "diloco32+thc+rank": ["--mode", "diloco:32:thc", "--bits", "4", "--inner", "rank"],
+    "diloco32+f4+thc+rank": ["--mode", "diloco:32:thc", "--bits", "4", "--fragments", "4", "--fragment-delay", "3",
+                             "--inner", "rank"],
     # the limit (issue 31): the same 4 ranks as one cluster, no link limit, dense; and each rank
     # training alone with no exchange at all (the compute-only step time of the utilisation)
     "limit": ["--mode", "dense"],

@@ -218,6 +218,8 @@ def main():
     p.add_argument("--overlap", action="store_true", help="local:H / diloco:H / localadapt: LocalSteps(overlap=True)")
     p.add_argument("--fragments", type=int, default=1, help="local:H / diloco:H: Streaming DiLoCo's fragments")
     p.add_argument("--fragment-delay", type=int, default=0, help="local:H / diloco:H: LocalSteps(delay=...)")
+    p.add_argument("--inner", choices=("cluster", "rank"), default="cluster",
+                   help="local:H / diloco:H: LocalSteps(inner=...): each cluster a replica, or each rank")
     p.add_argument("--bits", type=int, default=4, help="the thc compressor's bits (sparse:thc, local:H:thc)")
     p.add_argument("--singles", type=float, default=None,
                    help="the cacheaware compressor's share of bytes for single entries beside its blocks (default: "
@@ -286,7 +288,8 @@ def main():
             every, _, comp_name = comp_name.partition(":")
             local_steps = hvd.LocalSteps(every=int(every), outer={"local": "average"}.get(kind, "nesterov" if kind ==
                                                                                           "diloco" else "sum"),
-                                         overlap=args.overlap, fragments=args.fragments, delay=args.fragment_delay)
+                                         overlap=args.overlap, fragments=args.fragments, delay=args.fragment_delay,
+                                         inner=args.inner)
         adjuster = None
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
             local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)

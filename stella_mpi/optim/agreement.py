@@ -87,7 +87,8 @@ def settings_of(spec, named, policy):
                  ("local_steps.fragments", "%d, delay %d, mix %r, groups %s"
                   % (ls.fragments, ls.delay, ls.mix, "balanced" if ls.fragment_groups is None
                      else [list(g) for g in ls.fragment_groups])),
-                 ("local_steps.pace", ls.pace)]
+                 ("local_steps.pace", ls.pace),
+                 ("local_steps.inner", ls.inner)]
     return rows
 
 

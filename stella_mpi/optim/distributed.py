@@ -57,7 +57,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     gradients averaged inside each cluster at every step, the pseudo-gradient exchanged across
     clusters every H steps and applied by the outer optimizer (optim/outer_sync.py); with
     ``fragments=F, delay=tau`` Streaming DiLoCo's: the model in F fragments exchanged in turn, each
-    in flight for tau inner steps.
+    in flight for tau inner steps; with ``inner="rank"`` nothing is reduced at an inner step (each
+    rank a replica) and the exchange averages every rank's pseudo-gradient.
 
     ``adjuster=hvd.Adjuster(...)``: the bandwidth-driven adjuster's settings (adjust/settings.py).
 

@@ -84,6 +84,13 @@ exchange in flight out: its fragment's progress goes into that fragment's next e
 checkpoint of another F, or of other fragment groups, is refused. One fragment without a delay
 runs the code of the whole-model exchange above, bit for bit.
 
+``inner="rank"``: no gradient is reduced at an inner step (optim/routes/sync.py's RankRoute);
+each rank trains a replica of its own, so ``delta`` differs between the ranks of a cluster,
+and the exchange averages every rank's (its collectives reduce inside each cluster first, as
+they do a synchronous step's gradients). The rest is as above: the same anchor everywhere
+after each exchange, the fragments' schedule, checkpoints (a rank's own holds its own
+progress) and ``sync_clusters()``.
+
 With an adjuster H is chosen at each exchange from the period's compute and exchange times
 (with ``overlap``, also the exchange's wire time, its arrival polled once per local step)
 gathered from all ranks (adjust/local_steps_rule.py) and applies from the next period, on every
@@ -114,6 +121,7 @@ from .fragments import Fragment, InFlight, as_exchange, plan_fragments
 log = logging.getLogger("stella_mpi")
 OUTER_PRESETS = ("average", "nesterov", "sum")
 PACES = ("steps", "time")
+INNERS = ("cluster", "rank")
 
 __all__ = ["LocalSteps", "NoOuterSync", "LocalStepsSync", "OUTER_PRESETS"]
 
@@ -156,6 +164,16 @@ class LocalSteps:
         long as the fastest cluster takes for ``every`` steps, each cluster takes as many steps
         as fit in it, and the outer mean is weighted by the samples each rank trained on (its
         steps), so a slow cluster never idles a fast one. Not with fragments, a delay or overlap.
+    inner: "cluster" (gradients averaged inside each cluster at every inner step: each cluster
+        is one replica) or "rank": nothing is reduced at an inner step; each rank is a replica of
+        its own, and the exchange averages every rank's pseudo-gradient (dense inside each
+        cluster, then through the compression across clusters, as a synchronous step's
+        gradients). Where a cluster's ranks share a machine's cores (CPU ranks), its reduction
+        at every step costs as much as a fifth of the step (docs/guides/local-steps.md); with
+        "rank" it is gone, at the price of replicas that each see a rank's batch, not a
+        cluster's. Not with overlap (its exchange sends one shard per rank of a cluster's
+        common pseudo-gradient) or pace "time" (its periods end where a cluster agrees), and
+        not under ``Adjuster(modes=...)`` (its inner steps are the cluster's).
 
     With fragments or a delay the adjuster does not choose H (it stays ``every``), an outer
     optimizer instance is refused for F > 1 (a callable is called once per fragment), and
@@ -172,6 +190,7 @@ class LocalSteps:
     mix: float = 0.0
     fragment_groups: object = None
     pace: str = "steps"
+    inner: str = "cluster"
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -198,6 +217,15 @@ class LocalSteps:
             raise ValueError("LocalSteps(pace='time', fragments=%d, delay=%d, overlap=%s): a period of the fastest "
                              "cluster's time needs every exchange taken at once and whole; pass fragments=1, delay=0, "
                              "overlap=False, or pace='steps'" % (self.fragments, self.delay, self.overlap))
+        if self.inner not in INNERS:
+            raise ValueError("LocalSteps: inner must be one of %s (the inner step's gradients averaged inside each "
+                             "cluster, or each rank's own), got %r" % (", ".join(INNERS), self.inner))
+        if self.inner == "rank" and (self.overlap or self.pace == "time"):
+            raise ValueError("LocalSteps(inner='rank', overlap=%s, pace=%r): %s; pass inner='cluster', or %s"
+                             % (self.overlap, self.pace,
+                                "overlap's exchange sends one shard per rank of the pseudo-gradient its cluster shares"
+                                if self.overlap else "pace 'time' ends a period where a cluster's ranks agree",
+                                "delay=... with overlap=False" if self.overlap else "pace='steps'"))
 
     def _check_fragments(self):
         """fragments, delay, mix and fragment_groups, alone and with the other settings."""

@@ -564,6 +564,15 @@ def _fragments_with_modes(s, opt):
 
 
 @refusal
+def _inner_rank_with_modes(s, opt):
+    ls = s.local_steps
+    if ls is not None and s.modes and ls.inner == "rank":
+        return ("DistributedOptimizer(adjuster=hvd.Adjuster(modes=('sync', 'local')), local_steps=hvd.LocalSteps("
+                "inner='rank')): the mode switch's local steps reduce each inner step inside the cluster, which its "
+                "measurements and its synchronous phases assume; pass inner='cluster', or leave modes out")
+
+
+@refusal
 def _pseudo_rungs(s, opt):
     rungs = s.adjuster.pseudo_rungs if s.adjuster is not None else ()
     if not rungs:

@@ -9,8 +9,9 @@ spec                              route, outer sync, tuner
 ================================  ==========================================================
 engine=hvd.CpuEngine(...)         CpuEngineRoute; an adjuster tunes its density
 op=hvd.Adasum                     AdasumRoute
-local_steps=hvd.LocalSteps(...)   the cluster's DenseRoute + LocalStepsSync (an adjuster with
-                                  the step-time objective chooses H)
+local_steps=hvd.LocalSteps(...)   the cluster's DenseRoute (inner="rank": RankRoute) +
+                                  LocalStepsSync (an adjuster with the step-time objective
+                                  chooses H)
 a sparse / THC compressor         SparseRoute / THCRoute; an adjuster tunes density and bits
                                   (:class:`DensityTuner`)
 Adjuster(modes=("sync", "local")) :class:`ModeSwitch`: the sparse route and local steps
@@ -61,7 +62,7 @@ from .outer_channel import OuterChannel
 from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
 from .routes.adasum import AdasumRoute
 from .routes.cpu_engine import CpuEngineRoute
-from .routes.sync import ENTRY_BYTES, DenseRoute, SparseRoute, THCRoute
+from .routes.sync import ENTRY_BYTES, DenseRoute, RankRoute, SparseRoute, THCRoute
 
 log = logging.getLogger("stella_mpi")
 route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0 (core/state.py)
@@ -147,7 +148,10 @@ def compose(opt):
     if spec.local_steps is not None and not spec.modes:
         rule = LocalStepsRule(spec.adjuster, spec.local_steps.every) if spec.adjuster is not None else None
         pseudo = spec.local_steps.compression if spec.local_steps.compression is not None else spec.compression
-        route = DenseRoute(opt, cluster_process_set(), kind="cluster")
+        if spec.local_steps.inner == "rank":   # each rank a replica: nothing reduced at the inner step
+            route = RankRoute(opt, spec.process_set)
+        else:
+            route = DenseRoute(opt, cluster_process_set(), kind="cluster")
         opt._install(route, local_steps_sync(opt, spec.local_steps, pseudo, route.channel, rule))
         return
     if kind == "auto" or spec.modes:

@@ -74,6 +74,7 @@ MISMATCHES = {
     "on_some_ranks": (lambda: None if hvd.rank() == hvd.size() - 1 else dict(every=4), "local_steps"),
     "fragments": (lambda: dict(every=4, fragments=_by_cluster(1, 2)), "local_steps.fragments"),
     "delay": (lambda: dict(every=4, fragments=2, delay=_by_cluster(0, 1)), "local_steps.fragments"),
+    "inner": (lambda: dict(every=4, inner=_by_cluster("cluster", "rank")), "local_steps.inner"),
 }
 
 

@@ -427,6 +427,89 @@ def test_local_steps_nesterov_matches_a_reference():
     _assert_same_everywhere(nes_model)
 
 
+def _rank_replicas_reference(steps, every, outer, lr=0.7, mu=0.9):
+    """LocalSteps(inner="rank") simulated in this process: one model per rank, each stepping
+    on its own batch alone; every ``every`` steps the mean over all ranks of their
+    pseudo-gradients goes through the outer step, and every rank takes the new anchor."""
+    models = [_model() for _ in range(hvd.size())]
+    opts = [_sgd(m) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            o.zero_grad()
+            x, y = _batch(r, step)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        if (step + 1) % every:
+            continue
+        new = []
+        for i, a in enumerate(anchor):
+            avg = sum(a - list(m.parameters())[i].detach() for m in models) / hvd.size()
+            if outer == "average":
+                new.append(a - avg)
+            else:
+                momentum[i] = mu * momentum[i] + avg
+                new.append(a - lr * (avg + mu * momentum[i]))
+        with torch.no_grad():
+            for m in models:
+                for p, nw in zip(m.parameters(), new):
+                    p.copy_(nw)
+        anchor = new
+    return models
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_local_steps_inner_rank_trains_each_rank_alone_and_meets_on_every_ranks_mean(outer):
+    """LocalSteps(inner="rank"): no reduction at the inner steps (the ranks of a cluster drift
+    apart too), and every exchange lands the outer step of the mean over all ranks, the same
+    everywhere: each rank's parameters match a one-process simulation of one model per rank,
+    between exchanges and after them."""
+    topo = hvd.global_process_set.topology
+    apart = []
+
+    def check(step, model, opt):
+        if (step + 1) % 3:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            mates = hvd.allgather(flat.unsqueeze(0))[list(topo.cluster_members[topo.cluster_id])]
+            apart.append(any(not torch.equal(m, flat) for m in mates))
+
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(),
+        local_steps=hvd.LocalSteps(every=3, outer=outer, inner="rank")), 7, check)
+    assert opt.route == "rank" and opt._outer.progress.exchanges == 2
+    if max(len(m) for m in topo.cluster_members) > 1:
+        assert any(apart), "the ranks of a cluster never trained apart between exchanges"
+    ref = _rank_replicas_reference(7, 3, outer)[hvd.rank()]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+    with pytest.raises(ValueError, match="inner='rank'"):
+        hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                 adjuster=hvd.Adjuster(modes=("sync", "local")),
+                                 compression=hvd.Compression.topk(0.1),
+                                 local_steps=hvd.LocalSteps(every=2, inner="rank"))
+
+
+def test_local_steps_inner_rank_with_delayed_fragments_meets_after_sync_clusters():
+    """Streaming DiLoCo's schedule over replicas of one rank each: the delayed fragments land on
+    every rank alike (checked at the end: sync_clusters() applies the exchange in flight and
+    exchanges every fragment, after which every rank holds the same parameters), and the ranks of
+    a cluster train apart in between."""
+    topo = hvd.global_process_set.topology
+    model, opt = _train_with(lambda m: hvd.DistributedOptimizer(
+        _sgd(m), named_parameters=m.named_parameters(),
+        local_steps=hvd.LocalSteps(every=4, outer="nesterov", fragments=2, delay=1, inner="rank")), 9)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mates = hvd.allgather(flat.unsqueeze(0))[list(topo.cluster_members[topo.cluster_id])]
+    if len(mates) > 1:
+        assert any(not torch.equal(m, flat) for m in mates), "the ranks of a cluster never trained apart"
+    assert opt.route == "rank"
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+
+
 def _overlapped_reference(steps, every, outer, lr=0.7, mu=0.9):
     """LocalSteps(overlap=True) simulated in this process, one model per cluster: each steps on
     the mean gradient of its ranks' batches; at each period's end the exchange launched one

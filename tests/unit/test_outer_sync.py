@@ -835,6 +835,17 @@ def test_pace_is_checked():
         LocalSteps(every=4, pace="time", overlap=True)
 
 
+def test_inner_is_checked():
+    assert LocalSteps(every=4).inner == "cluster" and LocalSteps(every=4, inner="rank").inner == "rank"
+    with pytest.raises(ValueError, match="inner must be one of cluster, rank.*'node'"):
+        LocalSteps(every=4, inner="node")
+    with pytest.raises(ValueError, match="inner='rank', overlap=True.*one shard per rank"):
+        LocalSteps(every=4, inner="rank", overlap=True)
+    with pytest.raises(ValueError, match="inner='rank', overlap=False, pace='time'.*pass inner='cluster', or pace='steps'"):
+        LocalSteps(every=4, inner="rank", pace="time")
+    LocalSteps(every=4, inner="rank", fragments=2, delay=1)   # fragments and delays: the same collectives
+
+
 # ---------------- the adjuster's schedules (optim/tuning.py's ModeSwitch replans between phases)
 
 def _restart_both(two, every, schedule):

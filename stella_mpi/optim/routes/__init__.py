@@ -7,7 +7,7 @@ after a checkpoint is loaded, ``describe()`` for the log. A route switch (the ad
 the optimizer installing another route object at a step boundary.
 
 * :mod:`.sync`: Horovod's dense route (also the cluster's, under local steps), the sparse route
-  and THC's;
+  and THC's, and the rank's own (local steps with ``inner="rank"``: nothing reduced);
 * :mod:`.adasum`: Horovod's delta optimizer;
 * :mod:`.cpu_engine`: the C optimizer on a CPU master copy (its own buckets and state).
 """

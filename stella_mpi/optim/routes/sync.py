@@ -4,6 +4,7 @@ user's own optimizer steps on the result.
 
 * :class:`DenseRoute`: Horovod's allreduce with a dense compressor (none, fp16, bf16) and any
   op. On the cluster's own process set it is the route of local steps (``kind="cluster"``).
+* :class:`RankRoute`: no reduction: the route of local steps with ``inner="rank"``.
 * :class:`SparseRoute`: the cross-cluster hop of each bucket through a sparse compressor with
   error feedback (dense inside each cluster): DGC's momentum correction for SGD with momentum
   (the route carries velocities, optim/momentum_correction.py) and the density warm-up.
@@ -315,6 +316,9 @@ class SyncRoute:
             topo = self.opt._spec.process_set.topology
             return ("every rank of cluster %d (local steps: the other clusters' steps go on, and the period's "
                     "count does not change)" % topo.cluster_id)
+        if self.kind == "rank":
+            return ("rank %d alone (local steps with inner=\"rank\": the other ranks' steps go on, and the period's "
+                    "count does not change)" % state.current().rank)
         if self.process_set.ranks is not None and self.process_set.size() < state.current().size:
             return "every rank of process set %s" % self.process_set.ranks
         return "every rank"
@@ -362,6 +366,24 @@ class DenseRoute(SyncRoute):
 
     def _reduce(self, bucket, grads, name):
         self._dense(bucket, grads, name, self.compression)
+
+
+class RankRoute(SyncRoute):
+    """The gradient route of ``LocalSteps(inner="rank")``: nothing is reduced at the inner step.
+    Each rank steps on its own gradients, as a replica of its own between two exchanges (the
+    exchange then averages over every rank). A NaN or Inf is refused as on a set of this rank
+    alone (:func:`reduce_alone`); a torch sparse gradient is left as it is (the identity)."""
+    kind = "rank"
+
+    def launch(self, bucket):
+        bucket.sparse = []   # (a parameter without a gradient keeps none: no other rank's is averaged in)
+        bucket.dense = [p for p in bucket.params if p.grad is not None and not p.grad.is_sparse]
+        if not bucket.dense:
+            return
+        grads = [p.grad for p in bucket.dense]
+        bucket.compressed = [(g, None) for g in grads]
+        bucket.decompress = None
+        bucket.handle = reduce_alone(grads, bucket.name("DistributedOptimizer.bucket", self.opt._names), 1.0, 1.0)
 
 
 class SparseRoute(SyncRoute):
