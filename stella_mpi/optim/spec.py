@@ -568,8 +568,9 @@ def _inner_rank_with_modes(s, opt):
     ls = s.local_steps
     if ls is not None and s.modes and ls.inner == "rank":
         return ("DistributedOptimizer(adjuster=hvd.Adjuster(modes=('sync', 'local')), local_steps=hvd.LocalSteps("
-                "inner='rank')): the mode switch's local steps reduce each inner step inside the cluster, which its "
-                "measurements and its synchronous phases assume; pass inner='cluster', or leave modes out")
+                "inner='rank')): under modes your local steps' replicas are the clusters; pass inner='cluster', leave "
+                "modes out, or leave local_steps out: the automatic route makes each rank a replica itself where "
+                "the cluster's reductions cost a share of the step")
 
 
 @refusal

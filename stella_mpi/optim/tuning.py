@@ -59,7 +59,7 @@ from .cluster_channel import ClusterChannel
 from .clusters import cluster_process_set
 from .fragments import fragment_shares
 from .outer_channel import OuterChannel
-from .outer_sync import LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
+from .outer_sync import INNERS, LocalSteps, LocalStepsSync, NoOuterSync, saved_fragments
 from .routes.adasum import AdasumRoute
 from .routes.cpu_engine import CpuEngineRoute
 from .routes.sync import ENTRY_BYTES, DenseRoute, RankRoute, SparseRoute, THCRoute
@@ -515,6 +515,12 @@ class ModeSwitch:
       over all ranks, weighted by cluster size, because each cluster's followed its own
       gradients and the synchronous route needs it equal everywhere.
 
+    * Each rank a replica (the automatic route's own local steps): after a measured period in
+      which the cluster's reductions took at least half the hysteresis of a local step on its
+      slowest rank, inner steps reduce nothing from the next step on (RankRoute, as
+      ``LocalSteps(inner="rank")``), for the rest of the run; the checkpoint's ``stella_mode``
+      holds it. With momentum correction each rank's velocity is then its own momentum buffer.
+
     The error-feedback residuals (the optimizer's) and the controller's estimates and rung carry
     over: what was not sent is sent when the route is back.
     """
@@ -522,7 +528,11 @@ class ModeSwitch:
     def __init__(self, opt, sync_route, cluster_route, session, local, rungs, adjuster, probe=None, rung_outers=None):
         self.opt = opt
         self.sync_route = sync_route
-        self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster")
+        self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster", or RankRoute)
+        self.inner = "cluster"        # the replicas of local steps: each cluster, or each rank (RankRoute)
+        self._cluster_dense = cluster_route
+        self.chooses_inner = False    # the automatic route's own local steps: it moves to "rank" by measurement
+        self._busy_mark = (0, 0.0)    # (step, the lane's busy seconds) at the last measure
         self.session = session
         self.local = local
         self.rungs = tuple(rungs)     # the pseudo-gradient's compressions (one when it is not chosen)
@@ -605,6 +615,9 @@ class ModeSwitch:
         cluster_route = DenseRoute(opt, cluster_process_set(), kind="cluster")
         local = local_steps_sync(opt, ls, rungs[0], cluster_route.channel, LocalStepsRule(settings, ls.every))
         switch = cls(opt, sync, cluster_route, session, local, rungs, settings, probe, rung_outers)
+        if spec.local_steps is None and switch.rule is not None:   # the route's own local steps: it
+            switch.chooses_inner = True                             # chooses the replicas too
+            local.inner_busy = switch._inner_busy
         opt._tuner = switch
         opt._session = session
         opt._install(sync, NoOuterSync())
@@ -623,7 +636,8 @@ class ModeSwitch:
 
     def describe(self):
         if self.opt._outer.kind == "local":
-            return "local steps H=%d, pseudo-gradient %s" % (self.local.every, _comp_name(self.pseudo))
+            return "local steps H=%d, pseudo-gradient %s%s" % (self.local.every, _comp_name(self.pseudo),
+                                                              ", each rank a replica" if self.inner == "rank" else "")
         return self.opt._route.describe()
 
     def _start_line(self, probe, automatic, why):
@@ -657,8 +671,10 @@ class ModeSwitch:
                 self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
-                elif self.rule.pseudo_index != rung or self.rule.predicted_schedule.kind != now.kind:
+                    return
+                if self.rule.pseudo_index != rung or self.rule.predicted_schedule.kind != now.kind:
                     self._take_rung(self.rule.predicted_every)
+                self._choose_inner(compute)
             return
         session = self.session
         if session is None:
@@ -764,6 +780,52 @@ class ModeSwitch:
         self._set_mode("sync")
         self._record("sync")
 
+    # ---------------- the replicas: each cluster, or each rank
+
+    def _inner_busy(self):
+        """This rank's seconds per step in its cluster's reductions since the last call (0 where
+        its cluster reduces nothing: one rank, or each rank a replica already); LocalStepsSync
+        gathers it with the period's times."""
+        lane = getattr(self.cluster_route, "channel", None)
+        step, busy = self.opt._step_count, (lane.busy_s if lane is not None else 0.0)
+        last_step, last_busy = self._busy_mark
+        self._busy_mark = (step, busy)
+        return (busy - last_busy) / (step - last_step) if lane is not None and step > last_step else 0.0
+
+    def _choose_inner(self, step_s):
+        """The automatic route's replicas, after a measured period of local steps: where the
+        cluster's reductions took at least the dead band's share of a local step on its slowest
+        rank (half the hysteresis, as for every other move of the adjuster), each rank becomes a
+        replica from the next step (``LocalSteps(inner="rank")``: no reduction at inner steps),
+        for the rest of the run. The decision is taken from gathered values: the same on every
+        rank. Each replica then sees one rank's batch, not its cluster's; on the byte LM that
+        cost 0.5-0.6 % of held-out loss at equal steps, for steps 1.2x shorter
+        (docs/guides/local-steps.md)."""
+        if not self.chooses_inner or self.inner != "cluster" or step_s <= 0:
+            return
+        busy = self.local.inner_busy_s
+        if busy < step_s * self.rule.settings.hysteresis / 2:
+            return
+        self.reason = ("the cluster's reductions took %.0f %% of a local step (%.1f of %.1f ms, the slowest rank's): "
+                       "each rank a replica, nothing reduced at inner steps" % (100 * busy / step_s, 1e3 * busy,
+                                                                               1e3 * step_s))
+        self._use_inner("rank")
+        _announce(self.opt, self.opt._step_count, self.reason)
+
+    def _use_inner(self, inner):
+        """Local steps' replicas from the next step: each cluster (its DenseRoute) or each rank
+        (RankRoute). The mode rule measures its steps and schedules again."""
+        if inner == self.inner:
+            return
+        opt = self.opt
+        self.inner = inner
+        # (the cluster's route is kept: its lane was built collectively, at construction)
+        self.cluster_route = RankRoute(opt, opt._spec.process_set) if inner == "rank" else self._cluster_dense
+        if opt._outer is self.local:
+            opt._install(self.cluster_route, self.local)
+        if self.rule is not None:
+            self.rule.take(self.rule.mode)
+
     # ---------------- the user's optimizer state across a switch
 
     def _velocity_to_buffers(self):
@@ -775,6 +837,10 @@ class ModeSwitch:
             return
         held = [p for p in opt._mc_groups if opt._names[p] in mc.velocity]
         if not held:
+            return
+        if self.inner == "rank":   # each rank a replica: its own velocity
+            for p in held:
+                opt.state[p]["momentum_buffer"] = mc.velocity[opt._names[p]].detach().clone()
             return
         cluster = self.cluster_route.process_set
         out = synchronize(grouped_allreduce_async([mc.velocity[opt._names[p]].contiguous() for p in held],
@@ -811,7 +877,7 @@ class ModeSwitch:
     def _saved_mode(self):
         return {"mode": self.opt.mode,
                 "sync_estimate": self.rule.saved_estimate() if self.rule is not None else None,
-                "pseudo": _comp_name(self.pseudo)}
+                "pseudo": _comp_name(self.pseudo), "inner": self.inner}
 
     def _saved_schedule(self, saved):
         """(H, F, delay) of a local-steps state ``saved`` (a checkpoint's, the root's) where the
@@ -839,8 +905,9 @@ class ModeSwitch:
     def restore(self, state_dict):
         """Check the checkpoint's mode and local-steps state now (before anything is loaded);
         returns what takes them afterwards (the parameters are taken as loaded, no exchange)."""
-        mode, estimate, pseudo = checked_mode(state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None}),
-                                              self.rung_names)
+        saved_mode = state_dict.pop("stella_mode", {"mode": "sync", "sync_estimate": None})
+        mode, estimate, pseudo = checked_mode(saved_mode, self.rung_names)
+        inner = checked_inner(saved_mode, self.chooses_inner)
         saved = state_dict.pop("stella_local_steps", None)
         schedule = None
         if saved is not None:
@@ -851,6 +918,7 @@ class ModeSwitch:
             self.local.drop_in_flight()
             if saved is not None:   # (checked above: a refused checkpoint changes nothing)
                 self._load_local(saved, schedule)
+            self._use_inner(inner)
             self._take_mode(mode, estimate, pseudo)
         return take
 
@@ -878,9 +946,10 @@ class ModeSwitch:
         mine = self.local.state_dict_on_host() if rank() == root_rank else None
         theirs = broadcast_object(mine, root_rank, name="local_steps.state")
         self._load_local(theirs, self._saved_schedule(theirs)[0])
-        self._take_mode(*checked_mode(broadcast_object(self._saved_mode() if rank() == root_rank else None,
-                                                       root_rank, name="mode_switch.mode"),
-                                      self.rung_names))
+        saved_mode = broadcast_object(self._saved_mode() if rank() == root_rank else None, root_rank,
+                                      name="mode_switch.mode")
+        self._use_inner(checked_inner(saved_mode, self.chooses_inner))
+        self._take_mode(*checked_mode(saved_mode, self.rung_names))
 
 
 def schedules_fit(ls, topology=None, off_thread=False):
@@ -921,6 +990,21 @@ def _comp_name(comp):
         return "%s %g %%%s%s" % (comp.name, 100 * comp.density, " %d bits" % bits if bits else "",
                                  " decay %g" % decay if decay != 1.0 else "")
     return comp.name
+
+
+def checked_inner(saved, chosen):
+    """The replicas of local steps in a checkpoint's ``stella_mode`` ("cluster" where it names
+    none: the releases before the choice); ValueError naming a value that is not one, or "rank"
+    where this optimizer does not choose them (the user's LocalSteps under modes)."""
+    inner = saved.get("inner", "cluster") if isinstance(saved, dict) else "cluster"
+    if inner not in INNERS:
+        raise ValueError("DistributedOptimizer checkpoint: stella_mode's inner must be one of %s, got %r"
+                         % (", ".join(INNERS), inner))
+    if inner == "rank" and not chosen:
+        raise ValueError("DistributedOptimizer checkpoint: stella_mode's inner is 'rank' (each rank a replica, as the "
+                         "automatic route chose), but this optimizer's local steps are the user's (inner='cluster'); "
+                         "load it into the automatic route (no local_steps=...)")
+    return inner
 
 
 def checked_mode(saved, rungs=()):

@@ -1144,3 +1144,57 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
                           for name, *hp in outers), outers
     opt.sync_clusters()
     _assert_same_everywhere(model)
+
+
+@pytest.mark.auto_route
+def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reductions_cost():
+    """The automatic route's local steps measure what each rank spends in its cluster's
+    reductions (the lane's busy seconds), gathered with the period's times. Where the slowest
+    rank's share passes the dead band (forced here on every rank alike: the share's threshold
+    is the adjuster's hysteresis, unit-sized), every rank moves to its own replica at the same
+    step: inner steps reduce nothing from then on (the ranks of a cluster train apart), the
+    clusters still meet on the same parameters, and the checkpoint carries the choice into a
+    new optimizer."""
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no automatic route across clusters")
+    topo = hvd.global_process_set.topology
+    log, busy, apart = [], [], []
+
+    def make(model):
+        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                        adjuster=hvd.Adjuster(interval=1, window=1, local_steps=(4,)))
+
+    def watch(step, model, opt):
+        tuner = opt._tuner
+        if step == 2:
+            tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+        if opt.mode == "local" and tuner.inner == "cluster" and step == 12:
+            lane = tuner._cluster_dense.channel
+            busy.append(lane.busy_s if lane is not None else None)
+            tuner.local.inner_busy = lambda: 1.0   # one second a step in the cluster's reductions
+        if tuner.inner == "rank" and opt._outer.progress.local_steps:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            apart.append(any(not torch.equal(m, flat) for m in
+                             hvd.allgather(flat.unsqueeze(0))[list(topo.cluster_members[topo.cluster_id])]))
+        log.append((step, opt.mode, tuner.inner, opt._route.kind))
+
+    model, opt = _train_with(make, 30, watch)
+    assert busy, log
+    if topo.cluster_size > 1:   # (a lane only where a cluster has several ranks)
+        assert busy[0] is not None and busy[0] > 0, busy
+        assert apart and any(apart), log
+    first = [s for s, _, inner, _ in log if inner == "rank"]
+    assert first, (log, opt.mode_reason)
+    assert all(kind == "rank" for _, mode, inner, kind in log if inner == "rank" and mode == "local"), log
+    everyone = hvd.allgather_object(first[0])
+    assert all(x == everyone[0] for x in everyone), everyone
+    assert any("each rank a replica" in why for _, _, why in opt.route_changes), opt.route_changes
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+    saved = opt.state_dict()
+    assert saved["stella_mode"]["inner"] == "rank"
+    fresh = make(_model())
+    fresh.load_state_dict(saved)
+    assert fresh._tuner.inner == "rank" and (fresh.mode != "local" or fresh._route.kind == "rank")
+    with pytest.raises(ValueError, match="inner must be one of cluster, rank"):
+        fresh.load_state_dict(dict(saved, stella_mode=dict(saved["stella_mode"], inner="node")))

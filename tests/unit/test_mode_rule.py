@@ -313,6 +313,17 @@ def test_a_checkpoint_names_its_rung():
         checked_mode({"mode": "local", "sync_estimate": None, "pseudo": "topk 1 %"}, rungs)
 
 
+def test_a_checkpoint_names_its_replicas():
+    from stella_mpi.optim.tuning import checked_inner
+    assert checked_inner({"mode": "local", "sync_estimate": None}, True) == "cluster"   # (before the choice)
+    assert checked_inner({"mode": "local", "inner": "rank"}, True) == "rank"
+    assert checked_inner({"mode": "sync", "inner": "cluster"}, False) == "cluster"
+    with pytest.raises(ValueError, match="inner must be one of cluster, rank, got 'node'"):
+        checked_inner({"mode": "local", "inner": "node"}, True)
+    with pytest.raises(ValueError, match="local steps are the user's .*load it into the automatic route"):
+        checked_inner({"mode": "local", "inner": "rank"}, False)
+
+
 def test_the_automatic_route_steps_a_sparse_rung_by_the_clusters_sum():
     """bench/bench_parity.py (4 seeds, SparseLoCo 1 %): averaging halves an entry one cluster sent
     (+4.6 %), Nesterov's momentum over error feedback overshoots (+16 %), the sum is level (+0.15 %)."""
