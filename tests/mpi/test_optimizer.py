@@ -427,6 +427,19 @@ def test_local_steps_nesterov_matches_a_reference():
     _assert_same_everywhere(nes_model)
 
 
+def _outer_reference(anchor, avgs, momentum, outer, lr, mu):
+    """The outer step from ``anchor`` with the mean pseudo-gradients ``avgs``: averaging, or
+    DiLoCo's Nesterov (``momentum`` updated in place)."""
+    new = []
+    for i, (a, avg) in enumerate(zip(anchor, avgs)):
+        if outer == "average":
+            new.append(a - avg)
+        else:
+            momentum[i] = mu * momentum[i] + avg
+            new.append(a - lr * (avg + mu * momentum[i]))
+    return new
+
+
 def _rank_replicas_reference(steps, every, outer, lr=0.7, mu=0.9):
     """LocalSteps(inner="rank") simulated in this process: one model per rank, each stepping
     on its own batch alone; every ``every`` steps the mean over all ranks of their
@@ -443,14 +456,8 @@ def _rank_replicas_reference(steps, every, outer, lr=0.7, mu=0.9):
             o.step()
         if (step + 1) % every:
             continue
-        new = []
-        for i, a in enumerate(anchor):
-            avg = sum(a - list(m.parameters())[i].detach() for m in models) / hvd.size()
-            if outer == "average":
-                new.append(a - avg)
-            else:
-                momentum[i] = mu * momentum[i] + avg
-                new.append(a - lr * (avg + mu * momentum[i]))
+        avgs = [sum(a - list(m.parameters())[i].detach() for m in models) / hvd.size() for i, a in enumerate(anchor)]
+        new = _outer_reference(anchor, avgs, momentum, outer, lr, mu)
         with torch.no_grad():
             for m in models:
                 for p, nw in zip(m.parameters(), new):
@@ -532,14 +539,9 @@ def _overlapped_reference(steps, every, outer, lr=0.7, mu=0.9):
         if (step + 1) % every:
             continue
         if pending is not None:
-            new = []
-            for i, a in enumerate(anchor):
-                avg = sum(len(members) * d[i] for d, members in zip(pending, clusters)) / hvd.size()
-                if outer == "average":
-                    new.append(a - avg)
-                else:
-                    momentum[i] = mu * momentum[i] + avg
-                    new.append(a - lr * (avg + mu * momentum[i]))
+            avgs = [sum(len(members) * d[i] for d, members in zip(pending, clusters)) / hvd.size()
+                    for i in range(len(anchor))]
+            new = _outer_reference(anchor, avgs, momentum, outer, lr, mu)
             with torch.no_grad():
                 for m, d in zip(models, pending):
                     for p, a, nw, di in zip(m.parameters(), anchor, new, d):
