@@ -173,7 +173,8 @@ class LocalSteps:
         "rank" it is gone, at the price of replicas that each see a rank's batch, not a
         cluster's. Not with overlap (its exchange sends one shard per rank of a cluster's
         common pseudo-gradient) or pace "time" (its periods end where a cluster agrees), and
-        not under ``Adjuster(modes=...)`` (its inner steps are the cluster's).
+        not under ``Adjuster(modes=...)``: there the automatic route (no ``local_steps``) makes
+        each rank a replica itself where the cluster's reductions cost (optim/tuning.py).
 
     With fragments or a delay the adjuster does not choose H (it stays ``every``), an outer
     optimizer instance is refused for F > 1 (a callable is called once per fragment), and

@@ -529,8 +529,7 @@ class ModeSwitch:
         self.opt = opt
         self.sync_route = sync_route
         self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster", or RankRoute)
-        self.inner = "cluster"        # the replicas of local steps: each cluster, or each rank (RankRoute)
-        self._cluster_dense = cluster_route
+        self._cluster_dense = cluster_route   # (kept: its lane was built collectively, at construction)
         self.chooses_inner = False    # the automatic route's own local steps: it moves to "rank" by measurement
         self._busy_mark = (0, 0.0)    # (step, the lane's busy seconds) at the last measure
         self.session = session
@@ -782,6 +781,11 @@ class ModeSwitch:
 
     # ---------------- the replicas: each cluster, or each rank
 
+    @property
+    def inner(self):
+        """The replicas of local steps: "cluster" (its DenseRoute) or "rank" (RankRoute)."""
+        return "rank" if self.cluster_route.kind == "rank" else "cluster"
+
     def _inner_busy(self):
         """This rank's seconds per step in its cluster's reductions since the last call (0 where
         its cluster reduces nothing: one rank, or each rank a replica already); LocalStepsSync
@@ -818,8 +822,6 @@ class ModeSwitch:
         if inner == self.inner:
             return
         opt = self.opt
-        self.inner = inner
-        # (the cluster's route is kept: its lane was built collectively, at construction)
         self.cluster_route = RankRoute(opt, opt._spec.process_set) if inner == "rank" else self._cluster_dense
         if opt._outer is self.local:
             opt._install(self.cluster_route, self.local)

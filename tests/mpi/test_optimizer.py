@@ -427,6 +427,34 @@ def test_local_steps_nesterov_matches_a_reference():
     _assert_same_everywhere(nes_model)
 
 
+def test_local_steps_inner_rank_skips_a_non_finite_step_on_that_rank_alone():
+    """A NaN in one rank's gradient (STELLA_NONFINITE=skip, the default) with each rank a replica:
+    that rank's step is skipped, the other ranks step on theirs (nothing was reduced between
+    them), the period's count goes on alike everywhere, and the clusters meet on finite
+    parameters."""
+    if hvd.size() < 2:
+        pytest.skip("one rank: no other replica to go on")
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                   local_steps=hvd.LocalSteps(every=4, inner="rank"))
+    _steps(model, opt, range(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    skipped = hvd.stats()["total"]["skipped_nonfinite"]
+    first = next(model.parameters())
+    hook = first.register_hook(lambda g: torch.full_like(g, float("nan")) if hvd.rank() == 1 else g)
+    _steps(model, opt, [2])
+    hook.remove()
+    moved = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert moved == (hvd.rank() != 1), "rank %d: step taken %s" % (hvd.rank(), moved)
+    assert hvd.stats()["total"]["skipped_nonfinite"] == skipped + (hvd.rank() == 1)
+    assert opt._outer.progress.local_steps == 3   # (the skipped step counted on rank 1 too)
+    _steps(model, opt, [3])   # the period's end: every rank exchanges
+    assert opt._outer.progress.exchanges == 1
+    opt.sync_clusters()
+    _assert_same_everywhere(model)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 def _outer_reference(anchor, avgs, momentum, outer, lr, mu):
     """The outer step from ``anchor`` with the mean pseudo-gradients ``avgs``: averaging, or
     DiLoCo's Nesterov (``momentum`` updated in place)."""
