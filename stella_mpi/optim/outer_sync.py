@@ -410,11 +410,11 @@ class LocalStepsSync:
         self.cluster_id = cluster_id
         self.reason = None           # the last H decision's
         self.measured = None         # (compute_s, exchange_s, wire_s) the last H decision was taken from
-        # the automatic route's choice of replicas (ModeSwitch): a function giving the seconds per
-        # step this rank spent reducing inside its cluster since its last call, gathered with the
-        # period's times; the largest over ranks of the last gather
+        # the automatic route's choice of replicas (ModeSwitch): a function giving the share of its
+        # time this rank spent reducing inside its cluster since its last call, gathered with the
+        # period's times; the largest over ranks of a gather not yet read (None: none since)
         self.inner_busy = None
-        self.inner_busy_s = 0.0
+        self.inner_busy_share = None
         self.in_sync = False         # overlap: every rank holds the anchor and nothing was trained since
         self._period_start = None    # perf_counter at the current period's start
         self._timed = False          # the current period was timed from its start (not the first one)
@@ -932,16 +932,19 @@ class LocalStepsSync:
         """This rank's period times (the exchange with the last gather's time), gathered from
         every rank as integer microseconds with its cluster (one all-gather: every rank decides
         from the same values) and combined by :func:`..adjust.local_steps_rule.period_times`;
-        None unless every rank's period was ``timed``."""
+        None unless every rank's period was ``timed``. The share of time in the cluster's
+        reductions (``inner_busy``, in millionths) rides along in every gather, timed or not: it
+        is measured over its own interval, so the first period of a phase tells it too."""
         t0 = self.clock()
-        busy = self.inner_busy() if self.inner_busy is not None else 0.0
+        share = self.inner_busy() if self.inner_busy is not None else 0.0
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
-                              round(1e6 * wire_s), self.cluster_id, int(timed), round(1e6 * busy)]], dtype=torch.int64)
+                              round(1e6 * wire_s), self.cluster_id, int(timed), round(1e6 * share)]], dtype=torch.int64)
         rows = self.gather(mine)
         self._gather_s = self.clock() - t0
+        if self.inner_busy is not None:
+            self.inner_busy_share = 1e-6 * int(rows[:, 5].max())
         if not bool((rows[:, 4] == 1).all()):
             return None
-        self.inner_busy_s = 1e-6 * int(rows[:, 5].max())
         return period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])] for r in rows.tolist()])
 
     # ---------------- checkpoints

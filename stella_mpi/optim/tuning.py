@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 
 import torch
 
@@ -531,7 +532,7 @@ class ModeSwitch:
         self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster", or RankRoute)
         self._cluster_dense = cluster_route   # (kept: its lane was built collectively, at construction)
         self.chooses_inner = False    # the automatic route's own local steps: it moves to "rank" by measurement
-        self._busy_mark = (0, 0.0)    # (step, the lane's busy seconds) at the last measure
+        self._busy_mark = None        # (perf_counter, the lane's busy seconds) at the last measure
         self.session = session
         self.local = local
         self.rungs = tuple(rungs)     # the pseudo-gradient's compressions (one when it is not chosen)
@@ -673,7 +674,7 @@ class ModeSwitch:
                     return
                 if self.rule.pseudo_index != rung or self.rule.predicted_schedule.kind != now.kind:
                     self._take_rung(self.rule.predicted_every)
-                self._choose_inner(compute)
+            self._choose_inner()
             return
         session = self.session
         if session is None:
@@ -764,6 +765,7 @@ class ModeSwitch:
 
     def _enter_local(self):
         every, sched = self.rule.predicted_every, self.rule.predicted_schedule
+        self._busy_mark = self._lane_mark()   # (the share is of local steps' time: _inner_busy)
         self.local.restart(every, (sched.fragments, sched.delay) if self.rule.schedules else None)
         self._use_rung()
         self._velocity_to_buffers()
@@ -787,32 +789,36 @@ class ModeSwitch:
         return "rank" if self.cluster_route.kind == "rank" else "cluster"
 
     def _inner_busy(self):
-        """This rank's seconds per step in its cluster's reductions since the last call (0 where
-        its cluster reduces nothing: one rank, or each rank a replica already); LocalStepsSync
-        gathers it with the period's times."""
+        """The share of this rank's time spent in its cluster's reductions since the last call
+        (since entering local steps for the first call of a phase; 0 where its cluster reduces
+        nothing: one rank, or each rank a replica already); LocalStepsSync gathers it with the
+        period's times."""
         lane = getattr(self.cluster_route, "channel", None)
-        step, busy = self.opt._step_count, (lane.busy_s if lane is not None else 0.0)
-        last_step, last_busy = self._busy_mark
-        self._busy_mark = (step, busy)
-        return (busy - last_busy) / (step - last_step) if lane is not None and step > last_step else 0.0
+        mark, self._busy_mark = self._busy_mark, self._lane_mark()
+        if lane is None or mark is None or self._busy_mark[0] <= mark[0]:
+            return 0.0
+        return (self._busy_mark[1] - mark[1]) / (self._busy_mark[0] - mark[0])
 
-    def _choose_inner(self, step_s):
-        """The automatic route's replicas, after a measured period of local steps: where the
-        cluster's reductions took at least the dead band's share of a local step on its slowest
-        rank (half the hysteresis, as for every other move of the adjuster), each rank becomes a
-        replica from the next step (``LocalSteps(inner="rank")``: no reduction at inner steps),
-        for the rest of the run. The decision is taken from gathered values: the same on every
-        rank. Each replica then sees one rank's batch, not its cluster's; on the byte LM that
-        cost 0.5-0.6 % of held-out loss at equal steps, for steps 1.2x shorter
-        (docs/guides/local-steps.md)."""
-        if not self.chooses_inner or self.inner != "cluster" or step_s <= 0:
+    def _lane_mark(self):
+        lane = getattr(self.cluster_route, "channel", None)
+        return time.perf_counter(), (lane.busy_s if lane is not None else 0.0)
+
+    def _choose_inner(self):
+        """The automatic route's replicas, after each period of local steps that gathered the
+        ranks' times (the first one of a phase included): where the cluster's reductions took at
+        least the dead band's share of the time on its slowest rank (half the hysteresis, as for
+        every other move of the adjuster), each rank becomes a replica from the next step
+        (``LocalSteps(inner="rank")``: no reduction at inner steps), for the rest of the run. The
+        decision is taken from gathered values: the same on every rank. Each replica then sees
+        one rank's batch, not its cluster's; on the byte LM that cost 0.5-0.6 % of held-out loss
+        at equal steps, for steps 1.2x shorter (docs/guides/local-steps.md)."""
+        share, self.local.inner_busy_share = self.local.inner_busy_share, None
+        if not self.chooses_inner or self.inner != "cluster" or share is None:
             return
-        busy = self.local.inner_busy_s
-        if busy < step_s * self.rule.settings.hysteresis / 2:
+        if share < self.rule.settings.hysteresis / 2:
             return
-        self.reason = ("the cluster's reductions took %.0f %% of a local step (%.1f of %.1f ms, the slowest rank's): "
-                       "each rank a replica, nothing reduced at inner steps" % (100 * busy / step_s, 1e3 * busy,
-                                                                               1e3 * step_s))
+        self.reason = ("the cluster's reductions took %.0f %% of the time of local steps (the slowest rank's): each "
+                       "rank a replica, nothing reduced at inner steps" % (100 * share))
         self._use_inner("rank")
         _announce(self.opt, self.opt._step_count, self.reason)
 

@@ -1179,17 +1179,18 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
 
 @pytest.mark.auto_route
 def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reductions_cost():
-    """The automatic route's local steps measure what each rank spends in its cluster's
-    reductions (the lane's busy seconds), gathered with the period's times. Where the slowest
+    """The automatic route's local steps measure the share of each rank's time spent in its
+    cluster's reductions (the lane's busy seconds over the wall time since the last gather),
+    gathered with the period's times, the first period of the phase included. Where the slowest
     rank's share passes the dead band (forced here on every rank alike: the share's threshold
     is the adjuster's hysteresis, unit-sized), every rank moves to its own replica at the same
-    step: inner steps reduce nothing from then on (the ranks of a cluster train apart), the
-    clusters still meet on the same parameters, and the checkpoint carries the choice into a
-    new optimizer."""
+    step, the end of the first period: inner steps reduce nothing from then on (the ranks of a
+    cluster train apart), the clusters still meet on the same parameters, and the checkpoint
+    carries the choice into a new optimizer."""
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no automatic route across clusters")
     topo = hvd.global_process_set.topology
-    log, busy, apart = [], [], []
+    log, busy, shares, apart = [], [], [], []
 
     def make(model):
         return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
@@ -1199,23 +1200,28 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
         tuner = opt._tuner
         if step == 2:
             tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
-        if opt.mode == "local" and tuner.inner == "cluster" and step == 12:
+            measure = tuner.local.inner_busy
+            # the share each gather measured, then all of the time in the cluster's reductions
+            tuner.local.inner_busy = lambda: (shares.append(measure()), 1.0)[1]
+        if opt.mode == "local" and tuner.inner == "cluster":
             lane = tuner._cluster_dense.channel
             busy.append(lane.busy_s if lane is not None else None)
-            tuner.local.inner_busy = lambda: 1.0   # one second a step in the cluster's reductions
         if tuner.inner == "rank" and opt._outer.progress.local_steps:
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             apart.append(any(not torch.equal(m, flat) for m in
                              hvd.allgather(flat.unsqueeze(0))[list(topo.cluster_members[topo.cluster_id])]))
-        log.append((step, opt.mode, tuner.inner, opt._route.kind))
+        log.append((opt._step_count, opt.mode, tuner.inner, opt._route.kind))
 
     model, opt = _train_with(make, 30, watch)
-    assert busy, log
+    assert busy and shares, log
     if len(topo.cluster_members[topo.cluster_id]) > 1:   # (a lane only where this rank's cluster has several)
-        assert busy[0] is not None and busy[0] > 0, busy
+        assert busy[-1] is not None and busy[-1] > 0, busy
+        assert 0 < shares[0] < 1, shares
         assert apart and any(apart), log
     first = [s for s, _, inner, _ in log if inner == "rank"]
     assert first, (log, opt.mode_reason)
+    entered = [s for s, mode, _, _ in log if mode == "local"][0]   # (the step whose decision entered)
+    assert first[0] == entered + 4, (entered, first, log)   # the first period's gather decided
     assert all(kind == "rank" for _, mode, inner, kind in log if inner == "rank" and mode == "local"), log
     everyone = hvd.allgather_object(first[0])
     assert all(x == everyone[0] for x in everyone), everyone
