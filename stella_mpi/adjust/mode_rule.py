@@ -103,7 +103,9 @@ every 32 steps was predicted at 21 ms and measured at 200-300 ms of encoding, de
 step on 2 cores: from a measured blocking phase, the delayed schedule won by less than the dead
 band, and the run stayed blocking); in local mode a schedule is taken from the measured phase, as
 a rung is (its kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
-scored at the step the blocking schedule last measured, and what the schedule cost beyond the
+scored at the step the blocking schedule last measured (and the link read from its exchange; with
+none measured since local steps were entered, from the delayed wire's time, which bounds the
+link's rate from below only, so no slower than the link probe's), and what the schedule cost beyond the
 model (blocked time, and steps slower than that) is remembered per kind (``overheads``) and
 charged to it from then on, so a schedule that does not pay is left, and tried again only
 where it would win even at that cost.
@@ -446,7 +448,8 @@ class ModeRule:
         ``latency + cpu + transfer * payload_j / payload_now``, where the transfer is what the
         measured exchange (with overlap or a schedule, the wire) spent beyond the latency (one
         per fragment) and ``cpu_s``. Under a schedule the link and the options are predicted from
-        the step and transfer last measured under the blocking one (``base``), and what the
+        the step and transfer last measured under the blocking one (``base``; with none, from
+        the wire, read no slower than the link probe's ``link_bps``), and what the
         schedule cost beyond the model, in blocked time and in steps slower than that (its
         exchange in flight shares the collective thread and the cores with the steps beside
         it), is its kind's overhead."""
@@ -461,13 +464,23 @@ class ModeRule:
         transfer = max(measured - schedule.fragments * latency, 1e-6)
         if not streaming and wire_s is None:   # the blocking schedule: the baseline of the others
             self.base = (step_s, transfer, self.rung.payload_per_entry)
-        base = step_s
+        base, source = step_s, "measured by the exchange of local steps"
         if streaming and self.base is not None:
             # a schedule's wire holds its wait on the collective thread and the cores it shares with
             # the steps beside it: the link and every option are predicted from the blocking
             # schedule's last measured exchange (scaled to this rung's payload) and step
             base, transfer_then, payload_then = self.base
             transfer = transfer_then * self.rung.payload_per_entry / max(payload_then, 1e-12)
+            source = "measured by the blocking exchange of local steps"
+        elif streaming and self.link_bps:
+            # no blocking exchange measured since local steps were entered (under a delayed schedule):
+            # the wire's time bounds the link's rate from below only (on the byte LM on 2 cores, with
+            # Adam, a 1 Gbit/s link read 13-37 Mbit/s so), and the link probe's rate, where higher,
+            # is taken (a link slower than the probe's shows in the blocked time measured)
+            probed = est.cpu_s + 8.0 * est.elements * self.rung.payload_per_entry / self.link_bps
+            if probed < transfer:
+                transfer, source = probed, "as probed before the first step (a delayed exchange's wire read %.0f)" % (
+                    8e-6 * est.elements * self.rung.payload_per_entry / max(transfer - est.cpu_s, 1e-6))
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
         # the wire's rate: the sync route's prediction counts cpu_s in its fixed cost already
         # (with it here, a 1 Gbit/s link on a GPU read as 99 Mbit/s and sync's wire was overcounted)
@@ -521,9 +534,9 @@ class ModeRule:
                 # what the exchange costs on these cores: docs/guides/local-steps.md): the first
                 # measured periods correct it with a narrow band, whichever kind wins each time
                 target, band = ("local", self.pseudo_index, "schedule"), CALIBRATION_BAND
-        why = "link %.0f Mbit/s measured by the exchange of local steps beyond its %.1f ms of encoding (H=%d%s, " \
+        why = "link %.0f Mbit/s %s beyond its %.1f ms of encoding (H=%d%s, " \
               "%s, %.1f ms per step, exchange %.1f ms); local %.3f, sync %.3f%s" % (
-                  bandwidth / 1e6, 1e3 * est.cpu_s, every, schedule.describe(), self.rung.name, 1e3 * step_s,
+                  bandwidth / 1e6, source, 1e3 * est.cpu_s, every, schedule.describe(), self.rung.name, 1e3 * step_s,
                   1e3 * now.exchange_s,
                   now.score, sync, "".join(", %s H=%d%s %.3f" % (self.pseudo[o.rung].name, o.every,
                                                                   o.schedule.describe(), o.score) for o in others))
