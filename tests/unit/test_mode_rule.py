@@ -593,6 +593,26 @@ def test_a_schedule_whose_steps_run_slower_is_charged_for_them_and_left():
     assert r.overheads == {} and r.base is None
 
 
+def test_two_other_options_best_in_turn_are_taken_at_the_second_decision():
+    """Two other rungs, each far below the one in force and within a hair of each other, best in
+    turn: the dead band's two decisions running count for leaving, whichever of them wins each
+    time, and the second decision's best is taken (counted per option, the votes never met)."""
+    turn = {"a": False}
+    a = PseudoRung("a", 0.05, lambda est, every: 0.0 if turn["a"] else 0.2)
+    b = PseudoRung("b", 0.05, lambda est, every: 0.2 if turn["a"] else 0.0)
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5), a, b], link_bps=20 * MBIT)
+    r.take("local", dataclasses.replace(estimate(20 * MBIT), cpu_s=0.002))
+    blocked = 0.002 + 0.002 + 8 * 0.5e6 / (20 * MBIT)   # THC's 0.5 MB at 20 Mbit/s: 200 ms a period
+    outcomes = []
+    for _ in range(3):   # the window's decision (b best), then a, then b
+        outcomes.append(r.after_local(0.010, blocked, 8))
+        turn["a"] = not turn["a"]
+    assert [why.startswith("steady") for _, why in outcomes] == [True, True, False], outcomes
+    assert outcomes[2][1].startswith("local steps through b reach the loss sooner"), outcomes[2][1]
+    assert r.pseudo_index == 2 and r.mode == "local"
+
+
 def test_a_delayed_exchange_entered_without_a_blocking_one_reads_the_link_no_slower_than_the_probe():
     """Local steps entered under a delayed schedule measure no blocking exchange: the wire's time
     of a fragment in flight holds its wait for cores shared with the steps, so it bounds the
