@@ -476,7 +476,7 @@ class ModeRule:
         elif streaming and self.link_bps:
             # no blocking exchange measured since local steps were entered (under a delayed schedule):
             # the wire's time bounds the link's rate from below only (on the byte LM on 2 cores, with
-            # Adam, a 1 Gbit/s link read 13-37 Mbit/s so), and the link probe's rate, where higher,
+            # Adam, a 1 Gbit/s link read 13-43 Mbit/s so), and the link probe's rate, where higher,
             # is taken (a link slower than the probe's shows in the blocked time measured)
             probed = est.cpu_s + 8.0 * est.elements * self.rung.payload_per_entry / self.link_bps
             if probed < transfer:
@@ -579,9 +579,9 @@ class ModeRule:
 
         (Votes counted per rung and schedule never met where two options scored within a few %
         of each other, each best in turn: on the byte LM at 20 Mbit/s, SparseLoCo 1 % at H=16
-        and 3 % at H=32-64 alternated 13-17 % below THC's delayed fragments in force, whose
+        and 3 % at H=32-64 alternated 13-25 % below THC's delayed fragments in force, whose
         landings blocked 460-510 ms a period, and the route stayed there from step 48 to the
-        end, step 440.)"""
+        end of the run, step 433.)"""
         self._held += 1
         wait = band is None if wait is None else wait
         ready = self._held > int(self.settings.window) or not wait
