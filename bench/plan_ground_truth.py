@@ -51,6 +51,9 @@ def routes():
         ("thc-4bit", Route("thc", bits=4), 2),
         ("local-H2-thc4", Route("local", every=2, pseudo=Route("thc", bits=4)), 4),
         ("local-H2-dense", Route("local", every=2), 4),
+        # each rank a replica: the exchange reduces the pseudo-gradient inside the cluster first,
+        # and crosses the WAN as the cluster's replica does (the same counters)
+        ("local-H2-thc4-rank", Route("local", every=2, inner="rank", pseudo=Route("thc", bits=4)), 4),
         ("local-H2-sparseloco1", Route("local", every=2, pseudo=Route("sparse", "sparseloco", 0.01, chunk=4096, bits=2,
                                                                        feedback_decay=0.95)), 4),
         # fragments 1, 0, 1 exchanged after steps 2, 4, 6 (blocking: with a delay, the record of the
@@ -94,7 +97,7 @@ def _optimizer(hvd, model, route):
     elif route.kind == "local":
         pseudo = route.pseudo.make_compressor() if route.pseudo is not None else None
         kw["local_steps"] = hvd.LocalSteps(every=route.every, overlap=route.overlap, fragments=route.fragments,
-                                           delay=route.delay,
+                                           delay=route.delay, inner=route.inner,
                                            compression=pseudo if pseudo is not None else hvd.Compression.none)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)

@@ -238,6 +238,14 @@ def _intra_s(machine, kind, k, numel, oversub):
     return 2.0 * (k - 1) / k * 32.0 * numel / machine.fabric_bps(kind, oversub) if k > 1 else 0.0
 
 
+def _intra_per_step(route, intra_s):
+    """A step's share of the reductions inside its cluster: one a step, or with each rank a replica
+    (``LocalSteps(inner="rank")``) none at inner steps, and the exchange's dense reduction of the
+    pseudo-gradient inside the cluster once a period."""
+    w = route.wire
+    return intra_s / w.every if w.kind == "local" and w.inner == "rank" else intra_s
+
+
 def predict(route, layout, machine, param_numels, fusion_bytes=None, measured=None, sync_measured=None):
     """The prediction of ``route`` (a PlanRoute) on ``layout`` in steady state: a dict of seconds,
     bytes and ratios, with ``warmup_extra_s``, what the density warm-up's steps (they send more)
@@ -282,7 +290,7 @@ class _Prediction:
                 payload=_payload_for(self.sync_wire, param_numels, fusion_bytes, self.cpu_measured))
             self.cpu_there = _kernel_model(machine.costs, self.sync_wire, self.calib_traffic,
                                            len(machine.calib_sizes))
-        self.intra = _intra_s(machine, kind, k, numel, oversub[self.worst])
+        self.intra = _intra_per_step(route, _intra_s(machine, kind, k, numel, oversub[self.worst]))
         rest = _rest(machine, route, measured, param_numels, fusion_bytes) if measured is not None else 0.0
         self.fixed_but_cpu = machine.optimizer_s(kind, numel, oversub[self.worst]) + self.intra + \
             rest * oversub[self.worst]
@@ -403,7 +411,7 @@ def _rest(machine, route, measured, param_numels, fusion_bytes):
         calib_wire = max(t["wan_messages"] * link_c["latency_s"] + 8.0 * max(t["wan_bytes_sent"],
                                                                               t["wan_bytes_received"])
                          / link_c["pair_bps"] for t in rows)
-    intra = _intra_s(machine, HERE, max(sizes), sum(param_numels), 1.0)
+    intra = _intra_per_step(route, _intra_s(machine, HERE, max(sizes), sum(param_numels), 1.0))
     return max(measured["step_s"] - measured["compute_s"] - max(measured["exchange_s"], calib_wire)
                - measured["cpu_s"] - machine.calib.get("optimizer_s", 0.0) - intra, 0.0)
 

@@ -60,7 +60,7 @@ class PlanRoute:
         if w.kind == "local":
             return hvd.DistributedOptimizer(optimizer, named_parameters=named, local_steps=hvd.LocalSteps(
                 every=w.every, outer=self.outer, compression=self.pseudo_compression(hvd), fragments=w.fragments,
-                delay=w.delay))
+                delay=w.delay, inner=w.inner))
         raise ValueError("route %r: no way to build kind %r" % (self.name, w.kind))
 
 
@@ -93,6 +93,8 @@ ROUTES = (
     PlanRoute("local-32-thc4", Route(kind="local", every=32, pseudo=Route(kind="thc", bits=4))),
     PlanRoute("local-8-f4-thc4", Route(kind="local", every=8, fragments=4, delay=1, pseudo=Route(kind="thc", bits=4)),
               note="Streaming DiLoCo: 4 fragments, one every 2 steps, each in flight for 1 step"),
+    PlanRoute("local-32-thc4-rank", Route(kind="local", every=32, inner="rank", pseudo=Route(kind="thc", bits=4)),
+              note="each rank a replica: nothing reduced inside the cluster at inner steps"),
     _sparseloco("local-8-sparseloco1", 8),
     _sparseloco("local-32-sparseloco1", 32),
     PlanRoute("cpu-engine-1%", Route(kind="sparse", compressor="cacheaware", density=0.01), overlap=True,

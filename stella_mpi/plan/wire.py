@@ -14,13 +14,14 @@ API (units: bytes, messages, elements are counts of float entries):
 
 * ``Route(kind, compressor="topk", density=0.01, bits=None, algorithm="auto", every=1,
   pseudo=None, warmup=None, overlap=False, chunk=None, feedback_decay=None, fragments=1,
-  delay=0)``: what crosses the WAN. ``kind``: "dense" (Horovod's allreduce,
+  delay=0, inner="cluster")``: what crosses the WAN. ``kind``: "dense" (Horovod's allreduce,
   ``STELLA_WAN_ROUTE=dense``), "fp16" (``Compression.fp16``), "sparse"
   (``Compression.<compressor>(density=..., warmup=..., bits=..., chunk=...,
   feedback_decay=...)``; each None: the compressor's default; ``bits``, ``chunk`` and
   ``feedback_decay`` only for a compressor that takes them: sparseloco, dct), "thc"
   (``Compression.thc(bits=...)``), "local" (``LocalSteps(every=..., compression=<pseudo>,
-  overlap=..., fragments=..., delay=...)``; ``pseudo`` None: dense float32). A field left None
+  overlap=..., fragments=..., delay=..., inner=...)``; ``pseudo`` None: dense float32; ``inner``
+  "rank", each rank a replica, changes no WAN counter: the exchange's collectives are the same). A field left None
   reads as the compressor's own value once the Route is made (``Route("thc").bits == 4``).
   ``algorithm``: ``STELLA_SPARSE_ALGO`` (auto, allgather, tree).
 * ``step_traffic(route, cluster_sizes, param_numels, *, fusion_bytes=None, step=0,
@@ -129,6 +130,7 @@ class Route:
     feedback_decay: Optional[float] = None
     fragments: int = 1
     delay: int = 0
+    inner: str = "cluster"
 
     def __post_init__(self):
         if self.kind not in ROUTE_KINDS:
@@ -136,8 +138,9 @@ class Route:
         if self.algorithm not in ALGORITHMS:
             raise ValueError("Route: algorithm (STELLA_SPARSE_ALGO) must be one of %s, got %r"
                              % (", ".join(ALGORITHMS), self.algorithm))
-        if self.kind == "local":   # its own refusals: H, fragments, delay, and overlap with them
-            LocalSteps(every=self.every, overlap=self.overlap, fragments=self.fragments, delay=self.delay)
+        if self.kind == "local":   # its own refusals: H, fragments, delay, the replicas, and overlap with them
+            LocalSteps(every=self.every, overlap=self.overlap, fragments=self.fragments, delay=self.delay,
+                       inner=self.inner)
             if self.pseudo is not None:
                 if not isinstance(self.pseudo, Route) or self.pseudo.kind == "local":
                     raise ValueError("Route: the pseudo-gradient's route must be a Route of kind dense, fp16, "
@@ -145,9 +148,10 @@ class Route:
                 if self.overlap and self.pseudo.kind != "dense":
                     raise ValueError("Route: local steps with overlap take compression none (pseudo None or "
                                      "Route('dense')), got pseudo kind %r" % self.pseudo.kind)
-        elif self.fragments != 1 or self.delay != 0:
-            raise ValueError("Route(kind=%r): fragments and delay are local steps' (kind 'local'), got fragments=%r, "
-                             "delay=%r; leave them 1 and 0" % (self.kind, self.fragments, self.delay))
+        elif self.fragments != 1 or self.delay != 0 or self.inner != "cluster":
+            raise ValueError("Route(kind=%r): fragments, delay and inner are local steps' (kind 'local'), got "
+                             "fragments=%r, delay=%r, inner=%r; leave them 1, 0 and 'cluster'"
+                             % (self.kind, self.fragments, self.delay, self.inner))
         if self.kind != "sparse" and (self.chunk is not None or self.feedback_decay is not None):
             raise ValueError("Route(kind=%r): chunk and feedback_decay are a sparse compressor's (kind 'sparse', "
                              "compressor 'sparseloco' or 'dct'), got chunk=%r, feedback_decay=%r"

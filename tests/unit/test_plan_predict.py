@@ -63,6 +63,23 @@ def test_local_steps_pay_the_exchange_once_per_period():
     assert p32["step_s"] < p8["step_s"]
 
 
+def test_replicas_of_one_rank_reduce_inside_the_cluster_once_a_period():
+    """local-32-thc4-rank (``LocalSteps(inner="rank")``): the same WAN bytes as local-32-thc4, and
+    a step shorter by the cluster's dense reduction at 31 of every 32 steps (the exchange still
+    reduces the pseudo-gradient inside the cluster, once); with clusters of one rank, nothing
+    to save."""
+    m = Machine(calibration())
+    cluster, rank = route_table.BY_NAME["local-32-thc4"], route_table.BY_NAME["local-32-thc4-rank"]
+    assert rank.wire.inner == "rank" and rank.wire.every == 32
+    for sizes in ((2, 2), (4, 4)):
+        c, r = (predict(x, layout(sizes=sizes, cores=8), m, PARAMS) for x in (cluster, rank))
+        assert r["wan_bytes_per_step"] == c["wan_bytes_per_step"] and c["intra_s"] > 0
+        assert r["intra_s"] == pytest.approx(c["intra_s"] / 32, rel=1e-12)
+        assert c["step_s"] - r["step_s"] == pytest.approx(c["intra_s"] * 31 / 32, rel=1e-9)
+    c, r = (predict(x, layout(sizes=(1, 1)), m, PARAMS) for x in (cluster, rank))
+    assert r["intra_s"] == c["intra_s"] == 0 and r["step_s"] == pytest.approx(c["step_s"], rel=1e-12)
+
+
 def test_local_sparseloco_sends_what_its_encoder_writes_once_per_period():
     """local-8-sparseloco1 on clusters of two: each rank sends, once per 8 steps, the payload the
     real SparseLoCo encoder writes for its shard of each pseudo-gradient bucket (and its 8-byte

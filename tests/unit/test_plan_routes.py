@@ -45,6 +45,13 @@ def test_thc_local_steps_keep_their_pseudo_gradient_compression():
     assert built("thc-2")["compression"].bits == 2
 
 
+def test_replicas_route_builds_local_steps_with_each_rank_a_replica():
+    ls = built("local-32-thc4-rank")["local_steps"]
+    assert (ls.every, ls.inner, ls.fragments, ls.delay) == (32, "rank", 1, 0)
+    assert isinstance(ls.compression, THCCompressor) and ls.compression.bits == 4
+    assert built("local-32-thc4")["local_steps"].inner == "cluster"
+
+
 def test_route_names_are_unique():
     assert len(route_table.BY_NAME) == len(route_table.ROUTES)
     assert route_table.select("local-8-f4-thc4,local-8-sparseloco1") == [
