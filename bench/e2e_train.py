@@ -232,6 +232,8 @@ def main():
     p.add_argument("--auto-outer", choices=["chosen", "nesterov"], default="chosen",
                    help="auto: the outer step of its THC rung as the route chooses it by the inner optimizer, or "
                         "DiLoCo's Nesterov whatever the inner optimizer (the previous release's choice; an ablation)")
+    p.add_argument("--outer-lr", type=float, help="diloco:H: LocalSteps(outer_lr=...) (default: its own, 0.7)")
+    p.add_argument("--outer-momentum", type=float, help="diloco:H: LocalSteps(outer_momentum=...) (default: 0.9)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the lm workload's model")
     p.add_argument("--target-loss", type=float, help="stop once the windowed training loss reaches this")
     p.add_argument("--window", type=int, default=10, help="steps averaged for --target-loss")
@@ -289,7 +291,9 @@ def main():
             local_steps = hvd.LocalSteps(every=int(every), outer={"local": "average"}.get(kind, "nesterov" if kind ==
                                                                                           "diloco" else "sum"),
                                          overlap=args.overlap, fragments=args.fragments, delay=args.fragment_delay,
-                                         inner=args.inner)
+                                         inner=args.inner, **{k: v for k, v in (("outer_lr", args.outer_lr),
+                                                                                ("outer_momentum", args.outer_momentum))
+                                                              if v is not None})
         adjuster = None
         if kind == "localadapt":   # localadapt[:compressor]: model averaging, H chosen by the adjuster
             local_steps = hvd.LocalSteps(every=1, overlap=args.overlap)
