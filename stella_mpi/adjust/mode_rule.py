@@ -104,8 +104,8 @@ step on 2 cores: from a measured blocking phase, the delayed schedule won by les
 band, and the run stayed blocking); in local mode a schedule is taken from the measured phase, as
 a rung is (its kind, F and whether it is delayed, is what the votes count). Under a schedule the options are
 scored at the step the blocking schedule last measured (and the link read from its exchange; with
-none measured since local steps were entered, from the delayed wire's time, which bounds the
-link's rate from below only, so no slower than the link probe's), and what the schedule cost beyond the
+none measured since local steps were entered or taken, from the delayed wire's time, which bounds
+the link's rate from below only, so no slower than the link probe's), and what the schedule cost beyond the
 model (blocked time, and steps slower than that) is remembered per kind (``overheads``) and
 charged to it from then on, so a schedule that does not pay is left, and tried again only
 where it would win even at that cost.
@@ -298,7 +298,7 @@ class ModeRule:
     # per H, the seconds per step last measured under a delayed schedule of the current rung (the
     # exchange in flight beside the steps): what :func:`inflight_fit` scores delayed options by
     paced: dict = dataclasses.field(default_factory=dict)
-    _votes: int = 0       # decisions running that favoured the same other choice
+    _votes: int = 0       # decisions running that favoured the same side (_vote)
     _held: int = 0        # decisions taken in the current mode (and rung)
     _candidate: object = None   # that side: "sync", or "local" (another rung or schedule)
     # local decisions left in which the schedule entered from a prediction may be corrected from
@@ -480,7 +480,8 @@ class ModeRule:
             # is taken (a link slower than the probe's shows in the blocked time measured)
             probed = est.cpu_s + 8.0 * est.elements * self.rung.payload_per_entry / self.link_bps
             if probed < transfer:
-                transfer, source = probed, "as probed before the first step (a delayed exchange's wire read %.0f)" % (
+                transfer, source = probed, "as probed before the first step (a delayed exchange's wire read %.0f " \
+                                           "Mbit/s)" % (
                     8e-6 * est.elements * self.rung.payload_per_entry / max(transfer - est.cpu_s, 1e-6))
         moved = max(transfer - est.cpu_s, 1e-6)   # the part that grows with the payload
         # the wire's rate: the sync route's prediction counts cpu_s in its fixed cost already
@@ -550,11 +551,14 @@ class ModeRule:
             self._calibrating = 0
         return mode, reason
 
-    def take(self, mode, estimate=None, pseudo_index=None, schedule=None):
+    def take(self, mode, estimate=None, pseudo_index=None, schedule=None, recalibrate=False):
         """Take ``mode`` as it is (a checkpoint's, the root's), with the synchronous estimate
         saved with it (an Estimate, or None), the pseudo rung and the schedule; the dead band
-        starts over."""
-        self.mode, self._votes, self._held, self._candidate, self._calibrating = mode, 0, 0, None, 0
+        starts over. ``recalibrate``: local steps go on where the steps' cost changed (each rank
+        made a replica): with ``schedules``, the first ``CALIBRATION`` measured decisions may
+        correct the schedule in force as after entering."""
+        self.mode, self._votes, self._held, self._candidate = mode, 0, 0, None
+        self._calibrating = CALIBRATION if recalibrate and mode == "local" and self.schedules else 0
         self._measured_local = False
         # what schedules cost is measured again (a rank that joins, elastic, starts without it)
         self.overheads, self.base, self.paced = {}, None, {}

@@ -516,9 +516,10 @@ class ModeSwitch:
       over all ranks, weighted by cluster size, because each cluster's followed its own
       gradients and the synchronous route needs it equal everywhere.
 
-    * Each rank a replica (the automatic route's own local steps): after a measured period in
-      which the cluster's reductions took at least half the hysteresis of a local step on its
-      slowest rank, inner steps reduce nothing from the next step on (RankRoute, as
+    * Each rank a replica (the automatic route's own local steps): after a period of local
+      steps (the first of a phase included) in which the cluster's reductions took at least half
+      the hysteresis of the wall time on its slowest rank, inner steps reduce nothing from the
+      next step on (RankRoute, as
       ``LocalSteps(inner="rank")``), for the rest of the run; the checkpoint's ``stella_mode``
       holds it. With momentum correction each rank's velocity is then its own momentum buffer.
 
@@ -765,7 +766,7 @@ class ModeSwitch:
 
     def _enter_local(self):
         every, sched = self.rule.predicted_every, self.rule.predicted_schedule
-        self._busy_mark = self._lane_mark()   # (the share is of local steps' time: _inner_busy)
+        self._start_share()
         self.local.restart(every, (sched.fragments, sched.delay) if self.rule.schedules else None)
         self._use_rung()
         self._velocity_to_buffers()
@@ -789,10 +790,10 @@ class ModeSwitch:
         return "rank" if self.cluster_route.kind == "rank" else "cluster"
 
     def _inner_busy(self):
-        """The share of this rank's time spent in its cluster's reductions since the last call
-        (since entering local steps for the first call of a phase; 0 where its cluster reduces
-        nothing: one rank, or each rank a replica already); LocalStepsSync gathers it with the
-        period's times."""
+        """The share of this rank's wall time (its steps and their exchanges) spent in its
+        cluster's reductions since the last call (since entering or taking local steps for the
+        first call of a phase; 0 where its cluster reduces nothing: one rank, or each rank a
+        replica already); LocalStepsSync gathers it with the period's times."""
         lane = getattr(self.cluster_route, "channel", None)
         mark, self._busy_mark = self._busy_mark, self._lane_mark()
         if lane is None or mark is None or self._busy_mark[0] <= mark[0]:
@@ -801,12 +802,19 @@ class ModeSwitch:
 
     def _lane_mark(self):
         lane = getattr(self.cluster_route, "channel", None)
-        return time.perf_counter(), (lane.busy_s if lane is not None else 0.0)
+        return self.local.clock(), (lane.busy_s if lane is not None else 0.0)
+
+    def _start_share(self):
+        """The share of the cluster's reductions is measured from now on (a phase of local steps
+        entered or taken): a share gathered before, in another phase, is dropped."""
+        self._busy_mark = self._lane_mark()
+        self.local.inner_busy_share = None
 
     def _choose_inner(self):
         """The automatic route's replicas, after each period of local steps that gathered the
         ranks' times (the first one of a phase included): where the cluster's reductions took at
-        least the dead band's share of the time on its slowest rank (half the hysteresis, as for
+        least the dead band's share of the wall time (steps and exchanges) on its slowest rank
+        (half the hysteresis, as for
         every other move of the adjuster), each rank becomes a replica from the next step
         (``LocalSteps(inner="rank")``: no reduction at inner steps), for the rest of the run. The
         decision is taken from gathered values: the same on every rank. Each replica then sees
@@ -817,8 +825,8 @@ class ModeSwitch:
             return
         if share < self.rule.settings.hysteresis / 2:
             return
-        self.reason = ("the cluster's reductions took %.0f %% of the time of local steps (the slowest rank's): each "
-                       "rank a replica, nothing reduced at inner steps" % (100 * share))
+        self.reason = ("the cluster's reductions took %.0f %% of the time of local steps and their exchanges (the "
+                       "slowest rank's): each rank a replica, nothing reduced at inner steps" % (100 * share))
         self._use_inner("rank")
         _announce(self.opt, self.opt._step_count, self.reason)
 
@@ -832,7 +840,9 @@ class ModeSwitch:
         if opt._outer is self.local:
             opt._install(self.cluster_route, self.local)
         if self.rule is not None:
-            self.rule.take(self.rule.mode)
+            # the steps are measured again; a schedule entered from a prediction is still corrected
+            # from the first measured periods (the choice comes at the first period, before any)
+            self.rule.take(self.rule.mode, recalibrate=self.opt._outer is self.local)
 
     # ---------------- the user's optimizer state across a switch
 
@@ -946,6 +956,7 @@ class ModeSwitch:
             self._set_mode(mode)
         self.rule.take(mode, estimate, pseudo, self.schedule)
         self._use_rung()
+        self._start_share()   # (a checkpoint's local steps: measured from here)
 
     def sync_state(self, root_rank):
         """broadcast_optimizer_state: ``root_rank``'s local-steps state and mode on every rank (a

@@ -613,6 +613,40 @@ def test_two_other_options_best_in_turn_are_taken_at_the_second_decision():
     assert r.pseudo_index == 2 and r.mode == "local"
 
 
+def test_a_vote_for_sync_after_one_for_local_steps_starts_the_count_over():
+    """Leaving for another local option and going back to sync are two sides: one decision for
+    each takes neither; the second running for sync takes it."""
+    turn = {"sync": False}
+    a = PseudoRung("a", 0.05, lambda est, every: 0.0)
+    s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+    r = ModeRule(s, Controller(s, density=0.01), 2, [one_rung(0.5), a], link_bps=20 * MBIT)
+    r.take("local", dataclasses.replace(estimate(20 * MBIT), cpu_s=0.002))
+    r.sync_score = lambda est: 0.001 if turn["sync"] else 1.0   # far below every option, or far above
+    blocked = 0.002 + 0.002 + 8 * 0.5e6 / (20 * MBIT)
+    outcomes = []
+    for sync in (False, False, True, True):   # the window's decision; local (a); sync; sync again
+        turn["sync"] = sync
+        outcomes.append(r.after_local(0.010, blocked, 8))
+    assert [why.startswith("steady") for _, why in outcomes] == [True, True, True, False], outcomes
+    assert outcomes[3][0] == "sync" and r.mode == "sync" and r.pseudo_index == 0
+
+
+def test_replicas_taken_in_local_steps_recalibrate_a_predicted_schedule():
+    """take(recalibrate=True) in local steps with schedules: the first measured decisions may
+    correct the schedule in force, as after entering; a checkpoint's take, sync, or a rule without
+    schedules does not."""
+    r, _ = scheduled_rule()
+    r.take("local", recalibrate=True)
+    assert r._calibrating == CALIBRATION
+    r.take("local")
+    assert r._calibrating == 0
+    r.take("sync", recalibrate=True)
+    assert r._calibrating == 0
+    plain, _ = scheduled_rule(schedules=False)
+    plain.take("local", recalibrate=True)
+    assert plain._calibrating == 0
+
+
 def test_a_delayed_exchange_entered_without_a_blocking_one_reads_the_link_no_slower_than_the_probe():
     """Local steps entered under a delayed schedule measure no blocking exchange: the wire's time
     of a fragment in flight holds its wait for cores shared with the steps, so it bounds the
@@ -626,7 +660,7 @@ def test_a_delayed_exchange_entered_without_a_blocking_one_reads_the_link_no_slo
     latency = 2 * 0.001
     _, why = r.after_local(0.010, 0.004, 8, wire_s=2 * latency + 0.002 + 10 * moved, schedule=now)
     assert r.base is None
-    assert re.search(r"link 100 Mbit/s as probed before the first step \(a delayed exchange's wire read 10\)", why), why
+    assert re.search(r"link 100 Mbit/s as probed before the first step \(a delayed exchange's wire read 10 Mbit/s\)", why), why
     _, why = r.after_local(0.010, 0.004, 8, wire_s=2 * latency + 0.002 + moved / 4, schedule=now)
     assert "link 400 Mbit/s measured by the exchange of local steps" in why, why
     r.link_bps = None   # (no probe: the user's modes) the reading as it is
