@@ -94,7 +94,9 @@ ROUTES = (
     PlanRoute("local-8-f4-thc4", Route(kind="local", every=8, fragments=4, delay=1, pseudo=Route(kind="thc", bits=4)),
               note="Streaming DiLoCo: 4 fragments, one every 2 steps, each in flight for 1 step"),
     PlanRoute("local-32-thc4-rank", Route(kind="local", every=32, inner="rank", pseudo=Route(kind="thc", bits=4)),
-              note="each rank a replica: nothing reduced inside the cluster at inner steps"),
+              note="each rank a replica: nothing reduced inside the cluster at inner steps; its quality is "
+                   "measured on the calibration's clusters (of one rank: local-32-thc4's), not what replicas "
+                   "of one rank's batch cost on clusters of several"),
     _sparseloco("local-8-sparseloco1", 8),
     _sparseloco("local-32-sparseloco1", 32),
     PlanRoute("cpu-engine-1%", Route(kind="sparse", compressor="cacheaware", density=0.01), overlap=True,
