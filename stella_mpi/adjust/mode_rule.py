@@ -478,7 +478,7 @@ class ModeRule:
             # the wire's time bounds the link's rate from below only (on the byte LM on 2 cores, with
             # Adam, a 1 Gbit/s link read 13-43 Mbit/s so), and the link probe's rate, where higher,
             # is taken (a link slower than the probe's shows in the blocked time measured)
-            probed = est.cpu_s + 8.0 * est.elements * self.rung.payload_per_entry / self.link_bps
+            probed = self._predicted_exchange(est) - latency   # (what after_sync predicted, less the latency)
             if probed < transfer:
                 transfer, source = probed, "as probed before the first step (a delayed exchange's wire read %.0f " \
                                            "Mbit/s)" % (

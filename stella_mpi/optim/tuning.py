@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import time
 
 import torch
 
@@ -533,7 +532,7 @@ class ModeSwitch:
         self.cluster_route = cluster_route   # local steps' gradient route (DenseRoute kind "cluster", or RankRoute)
         self._cluster_dense = cluster_route   # (kept: its lane was built collectively, at construction)
         self.chooses_inner = False    # the automatic route's own local steps: it moves to "rank" by measurement
-        self._busy_mark = None        # (perf_counter, the lane's busy seconds) at the last measure
+        self._busy_mark = None        # (local.clock(), the lane's busy seconds) at the last measure
         self.session = session
         self.local = local
         self.rungs = tuple(rungs)     # the pseudo-gradient's compressions (one when it is not chosen)
