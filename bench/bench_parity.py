@@ -108,6 +108,11 @@ VARIANTS = {   # name: train_horovod.py options ("dense" runs with stellarun --w
     "local32+sparseloco1:ef95:sum": slc("0.01", 32, "--outer", "sum"),
     "local64+sparseloco1:ef95:sum": slc("0.01", 64, "--outer", "sum"),
     "local32+sparseloco3:ef95:sum": slc("0.03", 32, "--outer", "sum"),
+    # with local2/8/32 above: the sparse rungs' period cost (optim/tuning.py's SPARSE_SUM_PERIOD)
+    "local16+sparseloco1:ef95:sum": slc("0.01", 16, "--outer", "sum"),
+    "local2+sparseloco3:ef95:sum": slc("0.03", 2, "--outer", "sum"),
+    "local16+sparseloco3:ef95:sum": slc("0.03", 16, "--outer", "sum"),
+    "local64+sparseloco3:ef95:sum": slc("0.03", 64, "--outer", "sum"),
     "local8+sparseloco1:ef95:c16k": slc("0.01", 8, "--chunk", "16384"),
     "local8+sparseloco1:ef95:b4": slc("0.01", 8, bits="4"),
     "local8+f4": ["--compression", "none", "--local-steps", "8", "--fragments", "4"],
