@@ -19,10 +19,7 @@ steps it needs to reach a loss at H over those at its best H. For an outer step 
 period is worse per step, not better, and the drift alone (the shape) would send every rung to
 the ladder's longest H. For averaging under an Adam-family inner optimizer (the automatic
 route's THC outer step there) it is measured too and milder (``average_period_cost``: level up to
-H = 16, 1.16 at 32, 1.19 at 64). For the automatic route's sparse rungs under SGD (SparseLoCo
-1 % and 3 %, the clusters' sum) it is measured in the same unit, over THC's steps at H = 32
-(``SPARSE_SUM_PERIOD``: 1.31-1.65 at H = 2 to 64 on the byte LM), and holds the compression's
-cost too: such a rung's ``pseudo`` below is 0. Otherwise it is 1.
+H = 16, 1.16 at 32, 1.19 at 64). Otherwise it is 1.
 
 The sparse route holds an entry back for about 1/d steps and keeps it in the error-feedback
 residual, whose norm over the gradient's grows like sqrt((1 - d) / d) (kappa is that ratio's
@@ -37,7 +34,7 @@ shape charges local steps less than sparse rungs of the same wait, as those numb
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
 it for the synchronous rung of that compression: THC bits' shape; a sparse density's shape on
 a scale of its own, times ``sparse_pseudo_factor(H)``, least at H = 8 (optim/tuning.py:
-calibrated on the byte LM; none and fp16: 0), where its period cost was not measured.
+calibrated on the byte LM; none and fp16: 0).
 
 What each side is predicted from:
 

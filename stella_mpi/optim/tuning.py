@@ -28,7 +28,6 @@ timeline (``ROUTE``).
 """
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -335,9 +334,7 @@ def payload_per_entry(comp, nclusters):
     return allreduce_bytes(width * n, nclusters) / n
 
 
-# A sparse pseudo-gradient whose period cost was not measured (SPARSE_SUM_PERIOD: the automatic
-# route's rungs under SGD are; under Adam, or at other densities and bits, not) of density d at
-# H = every holds back
+# A sparse pseudo-gradient of density d at H = every holds back
 #     PSEUDO_SPARSE_KAPPA * sqrt((1 - d) / d) * sparse_pseudo_factor(every)
 # (the synchronous sparse backlog's shape, on a scale of its own): least at H =
 # PSEUDO_SPARSE_EVERY, more on either side. A short H exchanges often, and the residual decays at every exchange (feedback_decay), on
@@ -397,55 +394,6 @@ def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
     return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-# The inner steps the automatic route's sparse rungs (auto_pseudo_rungs: SparseLoCo's chunked
-# top-k of 4096 entries, 2-bit values, residual decayed 0.95; the clusters' sum as outer step)
-# need to reach a loss at period H under SGD, over what the THC rung (DiLoCo's Nesterov on THC
-# 4 bits) needs at H = 32: OUTER_MOMENTUM_PERIOD's unit and reference, so that the period
-# factor compares the rungs as it compares the periods (THC's table is 1 at its H = 32). Measured
-# as OUTER_MOMENTUM_PERIOD was (bench/bench_parity.py --hidden 1024 --lr 0.05 --steps 600, seeds
-# 0 and 1, each loss converted to dense's steps on its curve; the mean of the seeds' steps over
-# THC H = 32's mean): bench/results/parity_sparse_period_s15.json. At 600 steps THC at H = 32
-# ended at 1.839 and 1.786, SparseLoCo 3 % at 1.888-1.943 (least at H = 8-16), 1 % at
-# 1.907-2.003: the sparse rungs need 31-65 % more steps, the most at H = 64. The table holds all a sparse
-# pseudo-gradient costs, its compression included: the rung's backlog (pseudo_backlog) is not
-# charged on top. Under an Adam-family inner optimizer, or at another density, the sparse rung keeps
-# its backlog model (sparse_pseudo_factor) and no period cost: not measured.
-SPARSE_SUM_PERIOD = {
-    0.01: ((2, 1.541), (8, 1.426), (16, 1.467), (32, 1.576), (64, 1.649)),
-    0.03: ((2, 1.381), (8, 1.327), (16, 1.307), (32, 1.415), (64, 1.437)),
-}
-
-
-def sparse_period_cost(density):
-    """The period cost of the automatic route's sparse rung of ``density`` under SGD, over THC's
-    at H = 32 (:data:`SPARSE_SUM_PERIOD`), or None where that density was not measured."""
-    table = next((t for d, t in SPARSE_SUM_PERIOD.items() if math.isclose(d, density)), None)
-    return None if table is None else functools.partial(outer_period_cost, table=table)
-
-
-def sparse_rung_measured(comp, hp, adaptive):
-    """Whether ``comp`` with outer SGD hyperparameters ``hp`` is a sparse rung as
-    :data:`SPARSE_SUM_PERIOD` measured it: SparseLoCo of a measured density, 2-bit values,
-    chunks of 4096, residual decayed 0.95, summed over the clusters (no momentum, lr above 1),
-    under an inner optimizer not of the Adam family."""
-    return (getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False) and not adaptive
-            and getattr(comp, "bits", None) == 2 and getattr(comp, "chunk", None) == 4096
-            and getattr(comp, "feedback_decay", None) == 0.95
-            and hp.get("momentum", 0.0) == 0 and hp.get("lr", 1.0) > 1.0
-            and sparse_period_cost(comp.density) is not None)
-
-
-def rung_costs(controller, comp, hp, adaptive):
-    """(backlog, period cost) of the pseudo rung ``comp`` whose outer SGD has hyperparameters
-    ``hp`` (``PseudoRung.backlog``, ``PseudoRung.period``): for a sparse rung as measured
-    (:func:`sparse_rung_measured`), its table (:func:`sparse_period_cost`), which holds the
-    compression's cost too, and no backlog beside it; otherwise :func:`pseudo_backlog`'s and the
-    outer step's (:func:`period_cost_of`)."""
-    if sparse_rung_measured(comp, hp, adaptive):
-        return _no_backlog, sparse_period_cost(comp.density)
-    return _backlog_of(controller, comp), period_cost_of(hp, adaptive)
-
-
 def average_period_cost(every):
     """:func:`outer_period_cost` of averaging under an Adam-family inner optimizer
     (:data:`OUTER_AVERAGE_PERIOD`)."""
@@ -462,10 +410,6 @@ def period_cost_of(hp, adaptive):
     if adaptive and hp.get("lr") == 1.0:
         return average_period_cost
     return None
-
-
-def _no_backlog(est, every):
-    return 0.0
 
 
 def _backlog_of(controller, comp):
@@ -604,25 +548,24 @@ class ModeSwitch:
             # (a fragment holds at least one parameter: F above their count is not offered)
             fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
             self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
-                                 [PseudoRung(n, payload_per_entry(c, nclusters), backlog, period)
-                                  for n, c, (backlog, period)
-                                  in zip(self.rung_names, self.rungs, self._rung_costs(ctrl, local))],
+                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c), period)
+                                  for n, c, period in zip(self.rung_names, self.rungs, self._rung_periods(local))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)),
                                  shares={f: fragment_shares(local.named, f) for f in fitting})
             local.schedules_chosen = self.rule.schedules
 
-    def _rung_costs(self, ctrl, local):
-        """Per rung, (its backlog, its period cost) (:func:`rung_costs`) under the outer step it
-        runs with: the automatic route's for that rung, else the user's outer optimizer's (the
-        largest momentum and learning rate of its groups)."""
+    def _rung_periods(self, local):
+        """Per rung, the period cost of the outer step it runs with (:func:`period_cost_of`): the
+        automatic route's outer step for that rung, else the user's outer optimizer's (the largest
+        momentum and learning rate of its groups)."""
         adaptive = adaptive_inner(self.opt)
         if self.rung_outers:
-            return [rung_costs(ctrl, c, hp, adaptive) for c, hp in zip(self.rungs, self.rung_outers)]
+            return [period_cost_of(hp, adaptive) for hp in self.rung_outers]
         groups = [g for outer in local.outers for g in outer.param_groups]
         hp = {k: max((float(g.get(k, 0.0)) for g in groups), default=0.0) for k in ("momentum", "lr")}
-        return [rung_costs(ctrl, c, hp, adaptive) for c in self.rungs]
+        return [period_cost_of(hp, adaptive)] * len(self.rungs)
 
     @property
     def pseudo(self):

@@ -217,17 +217,13 @@ def test_with_the_measured_link_the_exchange_follows_the_link():
 
 # ---------------- the pseudo-gradient's rung (Adjuster(pseudo_rungs=...), the automatic route's)
 
-def rungs_of(compressors, nclusters=2, kappa_thc=1.0, costs=True):
-    """The rungs ModeSwitch builds from ``compressors`` for the automatic route under SGD: their
-    wire bytes per entry as the routes count them; the backlog and period cost of each under its
-    outer step (optim/tuning.py's rung_costs; ``costs=False``: the backlog as the controller
-    counts it for the same synchronous rung, no period cost)."""
-    from stella_mpi.optim.tuning import _backlog_of, _comp_name, auto_outer_of, payload_per_entry, rung_costs
+def rungs_of(compressors, nclusters=2, kappa_thc=1.0):
+    """The rungs ModeSwitch builds from ``compressors``: their wire bytes per entry as the routes
+    count them, the backlog as the controller counts it for the same synchronous rung."""
+    from stella_mpi.optim.tuning import _backlog_of, _comp_name, payload_per_entry
     s = Adjuster(modes=("sync", "local"), window=1)
     ctrl = Controller(s, density=0.01)
-    return [PseudoRung(_comp_name(c), payload_per_entry(c, nclusters),
-                       *(rung_costs(ctrl, c, auto_outer_of(c, nclusters), False) if costs else (_backlog_of(ctrl, c),)))
-            for c in compressors]
+    return [PseudoRung(_comp_name(c), payload_per_entry(c, nclusters), _backlog_of(ctrl, c)) for c in compressors]
 
 
 def auto_rule(rate, window=1):
@@ -240,8 +236,8 @@ def auto_rule(rate, window=1):
 def test_the_rung_entering_local_steps_follows_the_link():
     """Entering local steps the rule scores each rung at the H its exchange needs: THC 4 bits
     where the link carries it at a short H, SparseLoCo's 2-bit top-k where even H=64 cannot hide
-    THC's half a byte per entry (2 Mbit/s: 2 s per exchange), though its measured period cost is
-    above THC's at every H."""
+    THC's half a byte per entry (2 Mbit/s: 2 s per exchange), its smaller H outweighing what it
+    holds back."""
     chosen = {}
     for rate in (2 * MBIT, 1000 * MBIT):
         r, s = auto_rule(rate)
@@ -257,59 +253,7 @@ def test_the_rung_entering_local_steps_follows_the_link():
         assert ("pseudo-gradient %s" % r.rung.name) in why, why
     assert chosen[1000 * MBIT][0] == "thc 4 bits"
     assert chosen[2 * MBIT][0].startswith("sparseloco"), chosen
-
-
-def test_the_sparse_rungs_measured_period_cost_holds_their_whole_cost():
-    """SPARSE_SUM_PERIOD (bench/results/parity_sparse_period_s15.json): the steps SparseLoCo's
-    rungs need at each H over THC's at H = 32, above 1 at every H measured. Such a rung is
-    charged its table and no backlog beside it; THC keeps its controller backlog and its outer
-    Nesterov's period cost; a sparse rung not as measured (Adam inside, 4-bit values, another
-    density, averaged) keeps the backlog model and no period cost."""
-    from stella_mpi import Compression
-    from stella_mpi.optim.tuning import (SPARSE_SUM_PERIOD, auto_outer_of, outer_period_cost, pseudo_backlog,
-                                         rung_costs, sparse_period_cost)
-    ctrl = Controller(Adjuster(modes=("sync", "local")), density=0.01)
-    est = dataclasses.replace(estimate(20 * MBIT, kappa=0.13), backlog_kappa_thc=1.0)
-    for density, table in SPARSE_SUM_PERIOD.items():
-        assert all(c > 1.0 for _, c in table)
-        comp = Compression.sparseloco(density=density, bits=2, feedback_decay=0.95)
-        backlog, period = rung_costs(ctrl, comp, auto_outer_of(comp, 2), False)
-        assert [period(h) for h, _ in table] == pytest.approx([c for _, c in table])
-        assert period(4) == pytest.approx(sparse_period_cost(density)(4)) and backlog(est, 8) == 0.0
-        backlog, period = rung_costs(ctrl, comp, auto_outer_of(comp, 2, adaptive=True), True)
-        assert period is None and backlog(est, 8) == pytest.approx(pseudo_backlog(ctrl, est, comp, 8))
-        assert backlog(est, 8) > 0
-    assert sparse_period_cost(0.02) is None
-    summed = auto_outer_of(Compression.sparseloco(0.01), 2)
-    for other in (Compression.sparseloco(density=0.01, bits=4, feedback_decay=0.95),
-                  Compression.sparseloco(density=0.02, bits=2, feedback_decay=0.95)):
-        backlog, period = rung_costs(ctrl, other, summed, False)
-        assert period is None and backlog(est, 8) > 0
-    averaged = rung_costs(ctrl, Compression.sparseloco(density=0.01, bits=2, feedback_decay=0.95),
-                          {"lr": 1.0, "momentum": 0.0}, False)
-    assert averaged[1] is None
-    thc = Compression.thc(bits=4)
-    backlog, period = rung_costs(ctrl, thc, auto_outer_of(thc, 2), False)
-    assert period is outer_period_cost and backlog(est, 8) == pytest.approx(pseudo_backlog(ctrl, est, thc, 8))
-
-
-def test_local_steps_are_entered_through_thc_wherever_its_exchange_hides():
-    """The byte LM's 1.18M entries at 45 ms of compute, kappa 0.13 (as measured there): from
-    10 Mbit/s up THC 4 bits at H = 32-64 is predicted sooner than SparseLoCo at any H, whose
-    measured period cost is 1.31-1.65 of THC's at 32; at 2 and 5 Mbit/s SparseLoCo 3 %, where
-    THC's exchange (0.3-0.6 MB a period) cannot hide. With the backlog model the sparse rungs
-    had before (a 1.5-2.6 % charge at H = 8), every rate up to 100 Mbit/s entered through
-    SparseLoCo."""
-    from stella_mpi.optim.tuning import auto_pseudo_rungs
-    for rate, want in ((2, "sparseloco 3 %"), (5, "sparseloco 3 %"), (10, "thc 4 bits"), (20, "thc 4 bits"),
-                       (100, "thc 4 bits"), (1000, "thc 4 bits")):
-        s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
-        r = ModeRule(s, Controller(s, density=0.01), 2, rungs_of(auto_pseudo_rungs()), link_bps=rate * MBIT)
-        est = dataclasses.replace(estimate(rate * MBIT, kappa=0.13, elements=1.18e6, compute_s=0.045),
-                                  cpu_s=0.004, backlog_kappa_thc=1.0)
-        while r.mode == "sync":
-            _, why = r.after_sync(est)
-        assert r.rung.name.startswith(want), (rate, why)
+    assert chosen[2 * MBIT][1] < 64      # THC would need more than the ladder's longest period
 
 
 def test_another_rungs_steps_under_a_schedule_carry_its_own_exchange_in_flight():
@@ -317,8 +261,8 @@ def test_another_rungs_steps_under_a_schedule_carry_its_own_exchange_in_flight()
     is scaled by the payloads' ratio for another rung (at most 1: a larger payload is charged
     this one's, no more); so are the overhead's slowdown and the fit's per-exchange term. On the
     20 Mbit/s scenario of the byte LM (THC's delayed fragments measured 94 ms per step, 196 ms
-    blocked, against a median step of 61 ms) SparseLoCo 3 % then scores below THC, where scored
-    at THC's 94 ms it stood 28 % above it."""
+    blocked, against a median step of 61 ms) SparseLoCo 3 % then scores 30 % below what it
+    scored at THC's 94 ms."""
     from stella_mpi.adjust.mode_rule import in_flight_scaled
     from stella_mpi.optim.tuning import auto_pseudo_rungs
     step, overhead, fit = in_flight_scaled(0.094, 0.061, (0.1, 0.02), (0.05, 0.4), 0.1)
@@ -339,13 +283,12 @@ def test_another_rungs_steps_under_a_schedule_carry_its_own_exchange_in_flight()
         scores[steady] = (float(re.search(r"local (0\.\d+)", why).group(1)), sparse)
         assert ("(median 61.0)" in why) == (steady is not None), why
     (thc, slc_then), (thc_now, slc_now) = scores[None], scores[0.061]
-    assert thc == thc_now and slc_then > 1.2 * thc and slc_now < thc, scores
+    assert thc == thc_now and slc_now < 0.75 * slc_then and slc_now < thc, scores
 
 
 def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
-    """THC's exchange measured at 4 s (the link fell to 1 Mbit/s): SparseLoCo's, predicted from it
-    by the payloads' ratio, wins, though its period cost is a third above THC's (at 2 s the two
-    score within the dead band); after the dead band (two votes) the rule takes it, mode still
+    """THC's exchange measured at 2 s (the link fell to 2 Mbit/s): SparseLoCo's, predicted from it
+    by the payloads' ratio, wins; after the dead band (two votes) the rule takes it, mode still
     local, at the H it predicts, and forgets the step times THC's exchanges in flight gave."""
     r, s = auto_rule(1000 * MBIT)
     est = dataclasses.replace(estimate(1000 * MBIT), cpu_s=0.004, backlog_kappa_thc=1.0)
@@ -353,7 +296,7 @@ def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
         r.after_sync(est)
     assert r.rung.name == "thc 4 bits"
     r.paced = {2: 0.060, 4: 0.058}   # as THC's exchange in flight slowed the steps (a delayed schedule)
-    slow = 0.002 + 0.004 + 8 * 0.5e6 / (1 * MBIT)   # THC's 0.5 MB per exchange at 1 Mbit/s
+    slow = 0.002 + 0.004 + 8 * 0.5e6 / (2 * MBIT)   # THC's 0.5 MB per exchange at 2 Mbit/s
     outcomes = [r.after_local(0.056, slow, 64) for _ in range(3)]
     assert [m for m, _ in outcomes] == ["local"] * 3
     assert outcomes[1][1].startswith("steady") and "sparseloco" in outcomes[1][1]
