@@ -245,11 +245,16 @@ class PseudoRung:
     synchronous rung of that compression leaves: a sparse density's, THC bits'); ``period(every)``:
     the inner steps the rung's outer step needs at H = ``every`` to reach a loss, over what it
     needs at its best H (1 there; None: 1 at every H; optim/tuning.py's ``outer_period_cost`` for
-    an outer step with momentum), a factor of the score."""
+    an outer step with momentum), a factor of the score. ``entry_period(every)``: where set, what
+    the rung costs as local steps are entered from the synchronous route, in place of its backlog
+    and period: the steps it needs at H = ``every`` from the start of training over those of the
+    route's THC rung at H = 32 (optim/tuning.py's ``sparse_period_cost``: measured from scratch,
+    it over-charges a sparse rung later in training, so local mode keeps the backlog)."""
     name: str
     payload_per_entry: float
     backlog: Callable
     period: Callable = None   # every -> the steps the outer step needs at that H, over its best H's (None: 1)
+    entry_period: Callable = None   # every -> as entered from the synchronous route (None: backlog and period)
 
 
 @dataclass(frozen=True)
@@ -317,9 +322,15 @@ class ModeRule:
     def rung(self):
         return self.pseudo[self.pseudo_index]
 
-    def local_score(self, est, step_s, exchange_s, every, rung=None, delay=0):
+    def local_score(self, est, step_s, exchange_s, every, rung=None, delay=0, entering=False):
+        """The score of local steps through ``rung`` (default: the current one) at H = ``every``;
+        ``entering``: as entered from the synchronous route, a rung's ``entry_period`` in place of
+        its backlog and period cost where it has one."""
         r = self.rung if rung is None else self.pseudo[rung]
-        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay) + r.backlog(est, every)
+        held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay)
+        if entering and r.entry_period is not None:
+            return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held) * r.entry_period(every)
+        held += r.backlog(est, every)
         period = r.period(every) if r.period is not None else 1.0
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held) * period
 
@@ -355,16 +366,16 @@ class ModeRule:
             return None
         return lambda compute_s, blocked_s, every: self.local_score(est, compute_s, blocked_s, every)
 
-    def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None):
+    def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None, entering=False):
         """Local steps through ``rung``: at H = ``every``, or the H the local-steps rule would
         choose without hysteresis (the ladder's least score)."""
         if every is None:
             every = best_scored(self.settings.local_steps, lambda h: self.local_score(
-                est, step_s, blocked_time(step_s, exchange_s, h, wire_s), h, rung))
+                est, step_s, blocked_time(step_s, exchange_s, h, wire_s), h, rung, entering=entering))
         blocked = blocked_time(step_s, exchange_s, every, wire_s)
-        return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung))
+        return LocalOption(rung, every, blocked, self.local_score(est, step_s, blocked, every, rung, entering=entering))
 
-    def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None, fit=None):
+    def _schedules(self, est, rung, step_s, cpu_s, wire_s, blocking, overhead=None, fit=None, entering=False):
         """The options of rung ``rung`` under each schedule: ``blocking`` (the whole-model
         blocking one's), then per F on ``Adjuster.fragments`` (with ``schedules`` and a
         ``max_delay``) the smallest H on the ladder, a multiple of F with room for a delay, whose
@@ -387,7 +398,8 @@ class ModeRule:
                 shares = self.shares.get(f)
                 sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s, shares))
                 blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched, shares) + f * per_landing
-                scored.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay),
+                scored.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay,
+                                                                             entering),
                                           sched))
             if scored:
                 options.append(min(scored, key=lambda o: (o.score, o.every)))
@@ -410,7 +422,8 @@ class ModeRule:
         for i in range(len(self.pseudo)):
             x = self._predicted_exchange(est, i)
             options.append(self._best(self._schedules(est, i, step_local, est.cpu_s, max(x - est.cpu_s, 0.0),
-                                                      self._option(est, i, step_local, x))))
+                                                      self._option(est, i, step_local, x, entering=True),
+                                                      entering=True)))
         best = self._best(options)
         here = self.sync_score(est)
         link = self.link_bps or est.bandwidth_bps

@@ -28,6 +28,7 @@ timeline (``ROUTE``).
 """
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -394,6 +395,47 @@ def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
     return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+# The inner steps the automatic route's sparse rungs (auto_pseudo_rungs: SparseLoCo's chunked
+# top-k of 4096 entries, 2-bit values, residual decayed 0.95; the clusters' sum as outer step)
+# need to reach a loss at period H under SGD from the start of training, over what the THC rung
+# (DiLoCo's Nesterov on THC 4 bits) needs at H = 32: OUTER_MOMENTUM_PERIOD's unit and reference.
+# Measured as that was (bench/bench_parity.py --hidden 1024 --lr 0.05 --steps 600, seeds 0 and
+# 1, each loss converted to dense's steps on its curve; THC H = 32's mean steps over each one's):
+# bench/results/parity_sparse_period_s15.json. At 600 steps THC at H = 32 ended at 1.839 and
+# 1.786, SparseLoCo 3 % at 1.888-1.943 (least at H = 8-16), 1 % at 1.907-2.003. It holds the
+# compression's cost too. It is charged where local steps are entered from the synchronous route
+# (PseudoRung.entry_period), in place of the rung's backlog and period: early in training, as it
+# was measured. Charged in local mode too, it kept THC to the end at 20 Mbit/s (2.5x, 1.9x,
+# 2.1x and 2.7x torchft's time to its loss, against 3.5x for the route moving to SparseLoCo
+# at step 336 the same session): later in training a sparse pseudo-gradient costs less.
+SPARSE_SUM_PERIOD = {
+    0.01: ((2, 1.541), (8, 1.426), (16, 1.467), (32, 1.576), (64, 1.649)),
+    0.03: ((2, 1.381), (8, 1.327), (16, 1.307), (32, 1.415), (64, 1.437)),
+}
+
+
+def sparse_period_cost(density):
+    """The period cost from the start of training of the automatic route's sparse rung of
+    ``density`` under SGD, over THC's at H = 32 (:data:`SPARSE_SUM_PERIOD`), or None where that
+    density was not measured."""
+    table = next((t for d, t in SPARSE_SUM_PERIOD.items() if math.isclose(d, density)), None)
+    return None if table is None else functools.partial(outer_period_cost, table=table)
+
+
+def entry_period_of(comp, hp, adaptive):
+    """The ``PseudoRung.entry_period`` of rung ``comp`` with outer SGD hyperparameters ``hp``: its
+    :func:`sparse_period_cost` where it is a sparse rung as :data:`SPARSE_SUM_PERIOD` measured it
+    (SparseLoCo of a measured density, 2-bit values, chunks of 4096, residual decayed 0.95,
+    summed over the clusters: no momentum, lr above 1; an inner optimizer not of the Adam
+    family), else None."""
+    if not (getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False) and not adaptive
+            and getattr(comp, "bits", None) == 2 and getattr(comp, "chunk", None) == 4096
+            and getattr(comp, "feedback_decay", None) == 0.95
+            and hp.get("momentum", 0.0) == 0 and hp.get("lr", 1.0) > 1.0):
+        return None
+    return sparse_period_cost(comp.density)
+
+
 def average_period_cost(every):
     """:func:`outer_period_cost` of averaging under an Adam-family inner optimizer
     (:data:`OUTER_AVERAGE_PERIOD`)."""
@@ -548,13 +590,23 @@ class ModeSwitch:
             # (a fragment holds at least one parameter: F above their count is not offered)
             fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
             self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
-                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c), period)
-                                  for n, c, period in zip(self.rung_names, self.rungs, self._rung_periods(local))],
+                                 [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c), period,
+                                             entry)
+                                  for n, c, period, entry in zip(self.rung_names, self.rungs,
+                                                                 self._rung_periods(local), self._entry_periods())],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)),
                                  shares={f: fragment_shares(local.named, f) for f in fitting})
             local.schedules_chosen = self.rule.schedules
+
+    def _entry_periods(self):
+        """Per rung, its cost as local steps are entered (:func:`entry_period_of`): the
+        automatic route's rungs only (their outer steps are the ones measured)."""
+        if not self.rung_outers:
+            return [None] * len(self.rungs)
+        adaptive = adaptive_inner(self.opt)
+        return [entry_period_of(c, hp, adaptive) for c, hp in zip(self.rungs, self.rung_outers)]
 
     def _rung_periods(self, local):
         """Per rung, the period cost of the outer step it runs with (:func:`period_cost_of`): the

@@ -838,7 +838,7 @@ def test_mode_switch_chooses_the_pseudo_rung_on_every_rank():
             rule.sync_score = lambda est: float("inf")
             best = int(step == 12)   # THC's rung scores best entering local steps, SparseLoCo's from step 12
 
-            def score(est, step_s, exchange_s, every, rung=None, best=best):
+            def score(est, step_s, exchange_s, every, rung=None, delay=0, entering=False, best=best):
                 return 1.0 if (rule.pseudo_index if rung is None else rung) == best else 2.0
             rule.local_score = score
         if opt.mode == "local":
@@ -1140,10 +1140,11 @@ def test_local_steps_with_a_sparseloco_pseudo_gradient_meet_on_the_same_paramete
 def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
     """The automatic route's THC rung steps by DiLoCo's Nesterov under SGD, by averaging under
     Adam (optim/tuning.py's auto_outer_of): its rung carries that outer step's measured period
-    cost (outer_period_cost, average_period_cost), SparseLoCo's (the clusters' sum) none; in
+    cost (outer_period_cost, average_period_cost), SparseLoCo's (the clusters' sum) none, but
+    under SGD their measured cost from scratch as local steps are entered (entry_period); in
     local mode the local-steps rule chooses H by the mode rule's score of the rung in force, and
     the outer optimizers step with that rung's hyperparameters."""
-    from stella_mpi.optim.tuning import average_period_cost, outer_period_cost
+    from stella_mpi.optim.tuning import average_period_cost, outer_period_cost, sparse_period_cost
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no automatic route across clusters")
     seen, outers = [], set()
@@ -1168,6 +1169,12 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
     rungs = opt._tuner.rule.pseudo
     thc_period = outer_period_cost if inner == "sgd" else average_period_cost
     assert [r.period for r in rungs] == [thc_period, None, None], rungs
+    assert rungs[0].entry_period is None
+    for r, density in zip(rungs[1:], (0.01, 0.03)):
+        if inner == "sgd":
+            assert [r.entry_period(h) for h in (2, 8, 64)] == [sparse_period_cost(density)(h) for h in (2, 8, 64)]
+        else:
+            assert r.entry_period is None, r
     assert seen and all(same for _, same in seen), seen
     thc = {"sgd": (0.7, 0.9, True), "adam": (1.0, 0.0, False)}[inner]
     clusters = float(hvd.global_process_set.topology.num_clusters)

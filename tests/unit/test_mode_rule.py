@@ -256,6 +256,62 @@ def test_the_rung_entering_local_steps_follows_the_link():
     assert chosen[2 * MBIT][1] < 64      # THC would need more than the ladder's longest period
 
 
+def test_sparse_rungs_are_entered_at_their_cost_from_scratch_and_keep_their_backlog_after():
+    """SPARSE_SUM_PERIOD (bench/results/parity_sparse_period_s15.json): the steps SparseLoCo's
+    rungs need at H from the start of training over THC's at H = 32, 1.31-1.65. It is their
+    entry_period: charged as local steps are entered from the synchronous route, in place of
+    their backlog. On the byte LM's sizes (1.18M entries, 45 ms of compute, kappa 0.13) local
+    steps are then entered through THC from 10 Mbit/s up, through SparseLoCo 3 % at 2 and
+    5 Mbit/s; with the backlog alone, through SparseLoCo up to 100 Mbit/s (a run at 14 Mbit/s
+    entered through it at H=8 and did 1.82x torchft's time to loss, where the runs entering
+    through THC did 2.9-3.6x). In local mode the rungs keep their backlog: the table, measured
+    from scratch, over-charges them later in training."""
+    from stella_mpi import Compression
+    from stella_mpi.optim.tuning import (SPARSE_SUM_PERIOD, _backlog_of, _comp_name, auto_outer_of,
+                                         auto_pseudo_rungs, entry_period_of, payload_per_entry, period_cost_of,
+                                         sparse_period_cost)
+    for density, table in SPARSE_SUM_PERIOD.items():
+        assert all(c > 1.0 for _, c in table)
+        comp = Compression.sparseloco(density=density, bits=2, feedback_decay=0.95)
+        entry = entry_period_of(comp, auto_outer_of(comp, 2), False)
+        assert [entry(h) for h, _ in table] == pytest.approx([c for _, c in table])
+        assert entry(4) == pytest.approx(sparse_period_cost(density)(4))
+        assert entry_period_of(comp, auto_outer_of(comp, 2, adaptive=True), True) is None   # Adam: not measured
+        assert entry_period_of(comp, {"lr": 1.0, "momentum": 0.0}, False) is None          # averaged
+    summed = auto_outer_of(Compression.sparseloco(0.01), 2)
+    assert entry_period_of(Compression.sparseloco(density=0.01, bits=4, feedback_decay=0.95), summed, False) is None
+    assert entry_period_of(Compression.sparseloco(density=0.02, bits=2, feedback_decay=0.95), summed, False) is None
+    thc = Compression.thc(bits=4)
+    assert entry_period_of(thc, auto_outer_of(thc, 2), False) is None and sparse_period_cost(0.02) is None
+
+    def auto_rungs(entry):   # as ModeSwitch builds the automatic route's under SGD
+        ctrl = Controller(Adjuster(modes=("sync", "local")), density=0.01)
+        return [PseudoRung(_comp_name(c), payload_per_entry(c, 2), _backlog_of(ctrl, c),
+                           period_cost_of(auto_outer_of(c, 2), False),
+                           entry_period_of(c, auto_outer_of(c, 2), False) if entry else None)
+                for c in auto_pseudo_rungs()]
+
+    for rate, now, before in ((2, "sparseloco 3 %", "sparseloco"), (5, "sparseloco 3 %", "sparseloco"),
+                              (10, "thc 4 bits", "sparseloco"), (20, "thc 4 bits", "sparseloco"),
+                              (100, "thc 4 bits", "sparseloco"), (1000, "thc 4 bits", "thc 4 bits")):
+        for entry, want in ((True, now), (False, before)):
+            s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
+            r = ModeRule(s, Controller(s, density=0.01), 2, auto_rungs(entry), link_bps=rate * MBIT)
+            est = dataclasses.replace(estimate(rate * MBIT, kappa=0.13, elements=1.18e6, compute_s=0.045),
+                                      cpu_s=0.004, backlog_kappa_thc=1.0)
+            while r.mode == "sync":
+                _, why = r.after_sync(est)
+            assert r.rung.name.startswith(want), (rate, entry, why)
+            if entry:   # in local mode: the backlog and period, as without an entry cost
+                plain = ModeRule(s, Controller(s, density=0.01), 2, auto_rungs(False), link_bps=rate * MBIT)
+                for i in range(3):
+                    for h in (8, 64):
+                        assert r.local_score(est, 0.05, 0.1, h, i) == plain.local_score(est, 0.05, 0.1, h, i)
+                        entering = r.local_score(est, 0.05, 0.1, h, i, entering=True)
+                        was = plain.local_score(est, 0.05, 0.1, h, i, entering=True)
+                        assert entering == was if i == 0 else entering > 1.25 * was   # (THC: no entry cost)
+
+
 def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
     """THC's exchange measured at 2 s (the link fell to 2 Mbit/s): SparseLoCo's, predicted from it
     by the payloads' ratio, wins; after the dead band (two votes) the rule takes it, mode still
