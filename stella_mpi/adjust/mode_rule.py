@@ -34,7 +34,10 @@ shape charges local steps less than sparse rungs of the same wait, as those numb
 ``pseudo`` is what the pseudo-gradient's own compression holds back, as the controller counts
 it for the synchronous rung of that compression: THC bits' shape; a sparse density's shape on
 a scale of its own, times ``sparse_pseudo_factor(H)``, least at H = 8 (optim/tuning.py:
-calibrated on the byte LM; none and fp16: 0).
+calibrated on the byte LM; none and fp16: 0). Entering local steps from the synchronous route,
+a rung with an ``entry_period`` (the automatic route's sparse rungs under SGD: their steps from
+the start of training over THC's at H = 32, 1.31-1.65, optim/tuning.py's ``SPARSE_SUM_PERIOD``)
+is charged that in place of ``pseudo`` and ``period(H)``.
 
 What each side is predicted from:
 
