@@ -72,7 +72,8 @@ What each side is predicted from:
 
 The pseudo-gradient's rung (``Adjuster(pseudo_rungs=...)``; on the automatic route THC 4 bits
 and SparseLoCo's 2-bit chunked top-k at 1 % and 3 %): each rung is scored as local steps at the
-H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``), and the
+H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``; entering
+from the synchronous route, its ``entry_period`` in place of that where it has one), and the
 best one is the local side of the comparison. So the adjuster chooses the bits and the density
 of the outer sync by the time-to-loss objective, each at its least-scored H (the local-steps
 rule, fed the score of the rung in force, chooses H inside local steps the same way: without the
@@ -371,7 +372,8 @@ class ModeRule:
 
     def _option(self, est, rung, step_s, exchange_s, wire_s=None, every=None, entering=False):
         """Local steps through ``rung``: at H = ``every``, or the H the local-steps rule would
-        choose without hysteresis (the ladder's least score)."""
+        choose without hysteresis (the ladder's least score; ``entering``: of the score as entered
+        from the synchronous route, :meth:`local_score`)."""
         if every is None:
             every = best_scored(self.settings.local_steps, lambda h: self.local_score(
                 est, step_s, blocked_time(step_s, exchange_s, h, wire_s), h, rung, entering=entering))
@@ -402,7 +404,7 @@ class ModeRule:
                 sched = Schedule(f, delay_for(h, f, s.max_delay, wire_s, latency, step, cpu_s, shares))
                 blocked = scheduled_exchange(cpu_s, wire_s, latency, step, sched, shares) + f * per_landing
                 scored.append(LocalOption(rung, h, blocked, self.local_score(est, step, blocked, h, rung, sched.delay,
-                                                                             entering),
+                                                                             entering=entering),
                                           sched))
             if scored:
                 options.append(min(scored, key=lambda o: (o.score, o.every)))

@@ -348,7 +348,9 @@ def payload_per_entry(comp, nclusters):
 # of each rung fixed, whose sync phases measured kappa 0.13: with 8 and 0.13, the rule chooses
 # the rung that reached the lower loss in 40 s at 5, 20 and 100 Mbit/s and 1 Gbit/s (SparseLoCo
 # at H <= 8 on the slow links, THC 4 bits at 100 Mbit/s and 1 Gbit/s; 6.5 to 10 agree on all
-# four, with thin margins at 20 Mbit/s and 1 Gbit/s). At equal steps on bench/bench_parity.py's
+# four, with thin margins at 20 Mbit/s and 1 Gbit/s). That was before entering local steps
+# charged the automatic route's sparse rungs SPARSE_SUM_PERIOD under SGD (below): their entry
+# is now THC's from 10 Mbit/s up; this backlog still scores them in local mode. At equal steps on bench/bench_parity.py's
 # smaller LM, SparseLoCo 1 % (outer sum, seed 0) cost +1.0, +1.2, +2.9 and +6.4 % at H = 2, 8, 32
 # and 64 where THC 4 bits cost 0.0, 0.9 and 1.4 % at H = 8, 32 and 64.
 PSEUDO_SPARSE_EVERY = 8.0
@@ -403,9 +405,12 @@ def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
 # 1, each loss converted to dense's steps on its curve; THC H = 32's mean steps over each one's):
 # bench/results/parity_sparse_period_s15.json. At 600 steps THC at H = 32 ended at 1.839 and
 # 1.786, SparseLoCo 3 % at 1.888-1.943 (least at H = 8-16), 1 % at 1.907-2.003. It holds the
-# compression's cost too. It is charged where local steps are entered from the synchronous route
-# (PseudoRung.entry_period), in place of the rung's backlog and period: early in training, as it
-# was measured. Charged in local mode too, it kept THC to the end at 20 Mbit/s (2.5x, 1.9x,
+# compression's cost too (THC, entering beside it, keeps its own small backlog: about 0.3 % of
+# the score, counted once more against the sparse rungs). It is charged where local steps are
+# entered from the synchronous route (PseudoRung.entry_period), in place of the rung's backlog
+# and period: early in training, as it was measured; a re-entry late in a run (after a phase
+# back on the synchronous route, or a checkpoint loaded there) is charged it too, though later
+# in training it over-charges. Charged in local mode too, it kept THC to the end at 20 Mbit/s (2.5x, 1.9x,
 # 2.1x and 2.7x torchft's time to its loss, against 3.5x for the route moving to SparseLoCo
 # at step 336 the same session): later in training a sparse pseudo-gradient costs less.
 SPARSE_SUM_PERIOD = {
