@@ -333,9 +333,10 @@ class ModeRule:
         r = self.rung if rung is None else self.pseudo[rung]
         held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay)
         if entering and r.entry_period is not None:
-            return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held) * r.entry_period(every)
-        held += r.backlog(est, every)
-        period = r.period(every) if r.period is not None else 1.0
+            period = r.entry_period(every)
+        else:
+            held += r.backlog(est, every)
+            period = r.period(every) if r.period is not None else 1.0
         return (step_s + exchange_s / every) * (1.0 + self.settings.backlog_cost * held) * period
 
     def sync_score(self, est):

@@ -74,6 +74,7 @@ from ..core.process_sets import global_process_set
 from ..optim.momentum_correction import MomentumCorrectionState, plain_sgd_step
 from ..optim.routes.sync import density_warmup
 from ..optim.tuning import AUTO_DENSITY, AUTO_THC_BITS   # the automatic route's first rung and THC rungs
+from ..optim.tuning import selective as _selective   # (sparse, not THC: what holds entries back)
 
 log = logging.getLogger("stella_mpi")
 route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0 (core/state.py)
@@ -365,10 +366,6 @@ class StellaHookState:
         errors = [self._errors.pop(f) for f in futures if f in self._errors]
         if errors:
             raise errors[0]
-
-def _selective(comp):
-    """A route that selects entries (and holds the others back): sparse, not THC."""
-    return getattr(comp, "sparse", False) and not getattr(comp, "homomorphic", False)
 
 
 def _describe(comp):
