@@ -71,6 +71,9 @@ def main():
                         help="--local-steps: Streaming DiLoCo's fragments, exchanged in turn (H a multiple of it)")
     parser.add_argument("--fragment-delay", type=int, default=0,
                         help="--local-steps: inner steps a fragment's exchange is in flight before it is applied")
+    parser.add_argument("--inner", choices=["cluster", "rank"], default="cluster",
+                        help="--local-steps: the replicas: each cluster (inner steps averaged in it) or each rank "
+                             "(hvd.LocalSteps(inner='rank'): nothing reduced at inner steps)")
     parser.add_argument("--pace", choices=["steps", "time"], default="steps",
                         help="--local-steps: 'time': each cluster takes the steps that fit in the fastest cluster's "
                              "period of H steps (hvd.LocalSteps(pace='time'))")
@@ -147,7 +150,8 @@ def main():
                                              compression=compression,
                                              local_steps=hvd.LocalSteps(every=args.local_steps, outer=outer, **outer_lr,
                                                                         fragments=args.fragments,
-                                                                        delay=args.fragment_delay, pace=args.pace))
+                                                                        delay=args.fragment_delay, pace=args.pace,
+                                                                        inner=args.inner))
     else:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, **deprecated)
