@@ -209,9 +209,6 @@ class ClusterLane:
         self.number = number
         self.buffers = {}     # bucket index -> the reused send buffer
         self.reductions = 0   # collectives this lane ran (what the tests count)
-        # seconds its callers spent in its reductions (copies, check, wait, scaling, copy back):
-        # what the automatic route saves by making each rank a replica (optim/tuning.py)
-        self.busy_s = 0.0
 
     def _buffer(self, key, n, dtype):
         buf = self.buffers.get(key)
@@ -224,7 +221,6 @@ class ClusterLane:
         them, with the executor's scaling (prescale, sum, postscale / size). Returns the handle:
         a function that ``synchronize`` calls, which waits and returns ``tensors``. ``index``:
         the bucket's."""
-        entered = time.perf_counter()
         ch = self.channel
         if ch.closed:
             raise HorovodInternalError("hvd.LocalSteps: the runtime this optimizer was built on has shut down")
@@ -247,7 +243,6 @@ class ClusterLane:
         self.reductions += 1
 
         def reduced():
-            waited = time.perf_counter()
             what = "the cluster's allreduce %r (local steps' inner step)" % name
             ch.wait(req, what)
             with timeline.op_scope(name):
@@ -266,9 +261,7 @@ class ClusterLane:
             if factor != 1.0:
                 scale(body, factor)
             unfuse(body, tensors)
-            self.busy_s += time.perf_counter() - waited
             return tensors
-        self.busy_s += time.perf_counter() - entered
         return reduced
 
     def _flagged(self, bad, what):

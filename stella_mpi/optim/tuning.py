@@ -852,16 +852,21 @@ class ModeSwitch:
         """The share of this rank's wall time (its steps and their exchanges) spent in its
         cluster's reductions since the last call (since entering or taking local steps for the
         first call of a phase; 0 where its cluster reduces nothing: one rank, or each rank a
-        replica already); LocalStepsSync gathers it with the period's times."""
-        lane = getattr(self.cluster_route, "channel", None)
+        replica already); LocalStepsSync gathers it with the period's times. The route's busy
+        seconds count every way the cluster reduces (its channel, the negotiation, NCCL, a GPU
+        staged through the host): the channel's alone left GPU clusters at 0."""
         mark, self._busy_mark = self._busy_mark, self._lane_mark()
-        if lane is None or mark is None or self._busy_mark[0] <= mark[0]:
+        if not self._cluster_reduces() or mark is None or self._busy_mark[0] <= mark[0]:
             return 0.0
         return (self._busy_mark[1] - mark[1]) / (self._busy_mark[0] - mark[0])
 
+    def _cluster_reduces(self):
+        """Whether inner steps reduce anything: the cluster's route, on a cluster of several ranks."""
+        route = self.cluster_route
+        return route.kind == "cluster" and route.process_set.included() and route.process_set.size() > 1
+
     def _lane_mark(self):
-        lane = getattr(self.cluster_route, "channel", None)
-        return self.local.clock(), (lane.busy_s if lane is not None else 0.0)
+        return self.local.clock(), self.cluster_route.busy_s
 
     def _start_share(self):
         """The share of the cluster's reductions is measured from now on (a phase of local steps

@@ -1185,9 +1185,11 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
 
 
 @pytest.mark.auto_route
-def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reductions_cost():
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "negotiated"])
+def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reductions_cost(channel):
     """The automatic route's local steps measure the share of each rank's time spent in its
-    cluster's reductions (the lane's busy seconds over the wall time since the last gather),
+    cluster's reductions (the route's busy seconds over the wall time since the last gather,
+    whether the cluster's channel or the negotiation carries them, as it does for CUDA tensors),
     gathered with the period's times, the first period of the phase included. Where the slowest
     rank's share passes the dead band (forced here on every rank alike: the share's threshold
     is the adjuster's hysteresis, unit-sized), every rank moves to its own replica at the same
@@ -1200,8 +1202,11 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
     log, busy, shares, apart, periods = [], [], [], [], []
 
     def make(model):
-        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
-                                        adjuster=hvd.Adjuster(interval=1, window=1, local_steps=(4,)))
+        opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                       adjuster=hvd.Adjuster(interval=1, window=1, local_steps=(4,)))
+        if not channel:   # (every rank alike) the cluster reduces through the negotiation
+            opt._tuner._cluster_dense.channel = None
+        return opt
 
     def watch(step, model, opt):
         tuner = opt._tuner
@@ -1214,8 +1219,7 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
         if opt.mode == "local" and not periods:
             periods.append(opt._outer.progress.every)
         if opt.mode == "local" and tuner.inner == "cluster":
-            lane = tuner._cluster_dense.channel
-            busy.append(lane.busy_s if lane is not None else None)
+            busy.append(tuner._cluster_dense.busy_s)
         if tuner.inner == "rank" and opt._outer.progress.local_steps:
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             apart.append(any(not torch.equal(m, flat) for m in
@@ -1224,8 +1228,8 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
 
     model, opt = _train_with(make, 30, watch)
     assert busy and shares, log
-    if len(topo.cluster_members[topo.cluster_id]) > 1:   # (a lane only where this rank's cluster has several)
-        assert busy[-1] is not None and busy[-1] > 0, busy
+    if len(topo.cluster_members[topo.cluster_id]) > 1:   # (reductions only where this rank's cluster has several)
+        assert busy[-1] > 0, busy
         assert 0 < shares[0] < 1, shares
         assert apart and any(apart), log
     first = [s for s, _, inner, _ in log if inner == "rank"]

@@ -109,6 +109,11 @@ class SyncRoute:
         self.skip = False            # the reduced gradients of this step held NaN/Inf somewhere: no update
         self.corrected = False       # momentum correction carried this step's velocities
         self._densified = set()      # parameters whose sparse gradient was made dense for this step
+        # seconds the callers spent starting this route's reductions and waiting for them (copies,
+        # checks, scaling and copy back included), whatever carries them: the cluster's channel,
+        # the negotiation, NCCL or a GPU staged through the host. What the automatic route saves
+        # by making each rank a replica (optim/tuning.py reads the cluster route's)
+        self.busy_s = 0.0
 
     def describe(self):
         return self.kind
@@ -199,6 +204,13 @@ class SyncRoute:
     def _dense(self, bucket, grads, name, compression=Compression.none):
         """Horovod's grouped allreduce of ``grads`` through a dense compressor (on a set of one
         rank, the same result computed here: :func:`reduce_alone`)."""
+        t0 = time.perf_counter()
+        try:
+            self._start_dense(bucket, grads, name, compression)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _start_dense(self, bucket, grads, name, compression):
         prescale, postscale = self._scales()
         pairs = [compression.compress(g) for g in grads]
         tensors = [c.contiguous() for c, _ in pairs]
@@ -234,6 +246,7 @@ class SyncRoute:
         opt._launch_remaining()
         refused = []
         masked = []   # momentum correction: parameters that went the sparse way (masking applies to them)
+        waited = time.perf_counter()
         for bucket in opt._buckets:
             if bucket.handle is not None:
                 t0 = time.perf_counter()
@@ -270,6 +283,7 @@ class SyncRoute:
             bucket.handle = None
             bucket.compressed = None
             bucket.sparse = []
+        self.busy_s += time.perf_counter() - waited
         self._densified.clear()
         if self.corrected:
             # the step is agreed (or refused) as a whole: every velocity of it is kept or rolled back
