@@ -54,6 +54,9 @@ from progress import Progress
 from provenance import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from stellarun.shaping import parse_rate  # noqa: E402  (the launcher's own reading of a rate)
+
 RESULTS = os.path.join(HERE, "results")
 FIXED = ("d0.001", "d0.01", "d0.1")
 # mode: bench/e2e_train.py's arguments ({c}: --compressor; sparse densities are the mode's own)
@@ -427,6 +430,11 @@ def main():
     p.add_argument("--resume", action="store_true",
                    help="keep the finished runs of an interrupted run of the same settings (OUT.partial.json)")
     args = p.parse_args()
+    for rate in args.rates:   # refused here, before any run, not by each run's launcher
+        try:
+            parse_rate(rate)
+        except ValueError as e:
+            p.error("--rates: %s" % e)
     if args.out is None:
         args.out = os.path.join(RESULTS, "time_to_loss%s.json" % ("" if args.preset == "13" else "_" + args.preset))
     # every finished run is kept in OUT.partial.json at once; --resume takes the runs it holds
@@ -479,6 +487,8 @@ def main():
                            "runs": runs[rate]}, f)
             png = plot({rate: runs[rate]}, {rate: table[rate]}, base + ".png")
             print("wrote %s.json%s" % (base, (" and " + png) if png else ""))
+    if all("error" in r for modes in runs.values() for r in modes.values()):
+        raise SystemExit("bench_time_to_loss: every run failed (their errors are in %s)" % args.out)
 
 
 if __name__ == "__main__":
