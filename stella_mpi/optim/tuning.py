@@ -855,7 +855,7 @@ class ModeSwitch:
         replica already); LocalStepsSync gathers it with the period's times. The route's busy
         seconds count every way the cluster reduces (its channel, the negotiation, NCCL, a GPU
         staged through the host): the channel's alone left GPU clusters at 0."""
-        mark, self._busy_mark = self._busy_mark, self._lane_mark()
+        mark, self._busy_mark = self._busy_mark, self._busy_now()
         if not self._cluster_reduces() or mark is None or self._busy_mark[0] <= mark[0]:
             return 0.0
         return (self._busy_mark[1] - mark[1]) / (self._busy_mark[0] - mark[0])
@@ -865,13 +865,14 @@ class ModeSwitch:
         route = self.cluster_route
         return route.kind == "cluster" and route.process_set.included() and route.process_set.size() > 1
 
-    def _lane_mark(self):
+    def _busy_now(self):
+        """(local steps' clock, the cluster route's busy seconds): the marks the share is taken between."""
         return self.local.clock(), self.cluster_route.busy_s
 
     def _start_share(self):
         """The share of the cluster's reductions is measured from now on (a phase of local steps
         entered or taken): a share gathered before, in another phase, is dropped."""
-        self._busy_mark = self._lane_mark()
+        self._busy_mark = self._busy_now()
         self.local.inner_busy_share = None
 
     def _choose_inner(self):

@@ -211,6 +211,7 @@ class SyncRoute:
             self.busy_s += time.perf_counter() - t0
 
     def _start_dense(self, bucket, grads, name, compression):
+        """:meth:`_dense`'s work, which it times."""
         prescale, postscale = self._scales()
         pairs = [compression.compress(g) for g in grads]
         tensors = [c.contiguous() for c, _ in pairs]
