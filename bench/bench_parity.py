@@ -148,6 +148,12 @@ def run(name, args, tmp):
            str(args.steps), "--hidden", str(args.hidden), "--optimizer", "sgd", "--lr", str(args.lr), "--density",
            str(args.density), "--seed", str(args.seed), "--json-out", out] + [
                str(args.local_clip) if a == "CLIP" else a for a in VARIANTS[name]]
+    if args.load_state:
+        cmd += ["--load-state", args.load_state]
+    if args.save_state:
+        cmd += ["--save-state", args.save_state]
+    if args.eval_every:
+        cmd += ["--eval-every", str(args.eval_every)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit("%s failed:\n%s" % (name, (proc.stdout + proc.stderr)[-3000:]))
@@ -164,9 +170,18 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-clip", type=float, default=0.5, help="the +clip variants' global max norm (local_clip)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--load-state", metavar="PATH",
+                   help="every variant starts from this point mid-run (train_horovod.py --save-state's PATH): the "
+                        "cost of a route from there, not from scratch")
+    p.add_argument("--save-state", metavar="PATH", help="train_horovod.py --save-state (one variant)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps too (the curve)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "parity.json"))
     args = p.parse_args()
+    if args.save_state and len(args.variants) != 1:
+        p.error("--save-state: give one variant (each would write the same files)")
     names = ["dense"] + [v for v in args.variants if v != "dense"]
+    if args.save_state:
+        names = list(args.variants)
     rows = []
     progress = Progress(len(names))
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,6 +195,8 @@ def main():
             progress.end(name, "held-out loss %.4f" % r["validation_loss"])
             rows.append({"variant": name, "validation_loss": r["validation_loss"],
                          "wan_bytes_per_step": r["wan_bytes_sent_per_step"]})
+            if args.eval_every:
+                rows[-1]["curve"] = [[c["step"], c["validation_loss"]] for c in r["curve"]]
             dense = rows[0]["validation_loss"]
             rows[-1]["loss_vs_dense"] = r["validation_loss"] / dense
             print("%-32s held-out loss %.4f  (%+.1f %% vs dense)  WAN %.3f MB/step" % (

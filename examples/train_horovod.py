@@ -90,6 +90,12 @@ def main():
                         help="training seconds between held-out evaluations (0: by steps or at the end)")
     parser.add_argument("--check-seconds", type=float, default=0.5,
                         help="training seconds between the ranks' agreements on the clock (--time-budget)")
+    parser.add_argument("--save-state", metavar="PATH",
+                        help="at the end (every rank on the agreed parameters), write each rank's model, inner "
+                             "optimizer state and data position to PATH.rank<R>.pt")
+    parser.add_argument("--load-state", metavar="PATH",
+                        help="start from what --save-state wrote (the same ranks and model), with a fresh outer "
+                             "sync: training from a point mid-run, under any route")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the model and batches live (cuda: this rank's GPU, local rank modulo the count)")
     args = parser.parse_args()
@@ -156,6 +162,8 @@ def main():
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression, **deprecated)
 
+    if args.load_state:
+        load_state(args.load_state, model, optimizer, data, device, average=not args.local_steps)
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in model.parameters())
         print("stella_mpi: %d ranks in %d clusters (this rank: cluster %d of size %d); model %.2fM parameters; "
@@ -250,6 +258,34 @@ def main():
                        "wan_bytes_sent_per_step": total["wan_bytes_sent"] / max(1, hvd.stats()["steps"])}, f)
     if not identical:
         raise SystemExit("parameters differ between ranks")
+    if args.save_state:
+        torch.save({"size": hvd.size(), "model": model.state_dict(),
+                    "inner": torch.optim.Optimizer.state_dict(optimizer), "data": data.gen.get_state()},
+                   "%s.rank%d.pt" % (args.save_state, hvd.rank()))
+
+
+def load_state(path, model, optimizer, data, device, average):
+    """This rank's part of what --save-state wrote: the model, the inner optimizer's own state
+    (torch's, not the DistributedOptimizer's: its outer sync starts fresh) and the data position.
+    ``average``: the inner state averaged over the ranks (a synchronous route needs it equal
+    everywhere, as the mode switch makes it going back to sync); else each rank keeps its own."""
+    mine = "%s.rank%d.pt" % (path, hvd.rank())
+    try:
+        saved = torch.load(mine, map_location=device)
+    except FileNotFoundError:
+        raise SystemExit("--load-state: %s is missing (run with --save-state %s on %d ranks first)"
+                         % (mine, path, hvd.size()))
+    if saved.get("size") != hvd.size():
+        raise SystemExit("--load-state: %s was written by %s ranks, this run has %d" % (mine, saved.get("size"),
+                                                                                        hvd.size()))
+    model.load_state_dict(saved["model"])
+    if average:
+        for key, st in sorted(saved["inner"]["state"].items()):
+            for name, t in sorted(st.items()):
+                if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+                    st[name] = hvd.allreduce(t, name="load_state.%s.%s" % (key, name))
+    torch.optim.Optimizer.load_state_dict(optimizer, saved["inner"])
+    data.gen.set_state(saved["data"])
 
 
 if __name__ == "__main__":
