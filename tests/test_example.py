@@ -1,5 +1,6 @@
 """The Horovod-style example trains on 4 ranks in 2 clusters (launched by stellarun) and
 ends with identical parameters on every rank."""
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +60,35 @@ def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
     ends = [ln for ln in out.splitlines() if ln.startswith("done: ")]
     assert len(ends) == 2 and all("parameters identical on all 4 ranks: True" in ln for ln in ends), ends
     assert all(float(ln.split("validation loss ")[1].split()[0]) < 5.55 for ln in ends), ends
+
+
+@pytest.mark.slow   # (bench_parity's mid-run start; two short 4-rank runs and a refusal)
+def test_a_saved_point_mid_run_is_where_the_next_run_starts(tmp_path):
+    """--save-state writes each rank's model, inner state and data position; --load-state starts
+    there: the next run's first held-out loss is the saved run's last, under local steps (each
+    rank keeps its own inner state) and synchronously (the inner state averaged: the ranks'
+    parameters still agree at the end). A missing file is refused, naming it."""
+    stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
+    if not os.path.exists(stellarun):
+        pytest.skip("stellarun is not installed in this environment")
+    ck = str(tmp_path / "ck")
+
+    def train(*args):
+        out = tmp_path / "run.json"
+        proc = subprocess.run([stellarun, "-np", "4", "--clusters", "2", "--timeout", "60", sys.executable,
+                               "examples/train_horovod.py", "--steps", "16", "--log-every", "16", "--hidden", "64",
+                               "--optimizer", "sgd", "--lr", "0.05", "--json-out", str(out)] + list(args),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
+
+    proc, saved = train("--compression", "thc", "--local-steps", "8", "--outer", "nesterov", "--save-state", ck)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert sorted(os.listdir(tmp_path)) == ["ck.rank%d.pt" % r for r in range(4)] + ["run.json"]
+    for args in (["--compression", "sparseloco", "--density", "0.03", "--local-steps", "8", "--outer", "sum"],
+                 ["--compression", "none"]):
+        proc, cont = train(*args, "--load-state", ck, "--eval-every", "8")
+        assert proc.returncode == 0, (args, (proc.stdout + proc.stderr)[-4000:])
+        assert cont["curve"][0]["validation_loss"] == pytest.approx(saved["validation_loss"], rel=1e-6), args
+        assert cont["identical"], args
+    proc, _ = train("--load-state", str(tmp_path / "nowhere"))
+    assert proc.returncode != 0 and "--load-state: %s.rank" % (tmp_path / "nowhere") in proc.stdout + proc.stderr
