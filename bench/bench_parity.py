@@ -179,9 +179,8 @@ def main():
     args = p.parse_args()
     if args.save_state and len(args.variants) != 1:
         p.error("--save-state: give one variant (each would write the same files)")
-    names = ["dense"] + [v for v in args.variants if v != "dense"]
-    if args.save_state:
-        names = list(args.variants)
+    # (dense first, the reference of each ratio; not where the one variant saves its state)
+    names = list(args.variants) if args.save_state else ["dense"] + [v for v in args.variants if v != "dense"]
     rows = []
     progress = Progress(len(names))
     with tempfile.TemporaryDirectory() as tmp:

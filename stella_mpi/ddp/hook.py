@@ -73,8 +73,8 @@ from ..core import state as runtime
 from ..core.process_sets import global_process_set
 from ..optim.momentum_correction import MomentumCorrectionState, plain_sgd_step
 from ..optim.routes.sync import density_warmup
-from ..optim.tuning import AUTO_DENSITY, AUTO_THC_BITS   # the automatic route's first rung and THC rungs
-from ..optim.tuning import selective as _selective   # (sparse, not THC: what holds entries back)
+# the automatic route's first rung and THC rungs; "sparse, not THC" (what holds entries back)
+from ..optim.tuning import AUTO_DENSITY, AUTO_THC_BITS, selective as _selective
 
 log = logging.getLogger("stella_mpi")
 route_log = logging.getLogger("stella_mpi.route")   # shown by default on rank 0 (core/state.py)

@@ -355,8 +355,9 @@ def payload_per_entry(comp, nclusters):
 # four, with thin margins at 20 Mbit/s and 1 Gbit/s). That was before entering local steps
 # charged the automatic route's sparse rungs SPARSE_SUM_PERIOD under SGD (below): their entry
 # is now THC's from 10 Mbit/s up; this backlog still scores them in local mode. At equal steps
-# on bench/bench_parity.py's smaller LM, SparseLoCo 1 % (outer sum, seed 0) cost +1.0, +1.2, +2.9 and +6.4 % at H = 2, 8, 32
-# and 64 where THC 4 bits cost 0.0, 0.9 and 1.4 % at H = 8, 32 and 64.
+# on bench/bench_parity.py's smaller LM, SparseLoCo 1 % (outer sum, seed 0) cost +1.0, +1.2,
+# +2.9 and +6.4 % at H = 2, 8, 32 and 64 where THC 4 bits cost 0.0, 0.9 and 1.4 % at H = 8, 32
+# and 64.
 PSEUDO_SPARSE_EVERY = 8.0
 PSEUDO_SPARSE_KAPPA = 0.13
 
@@ -416,7 +417,9 @@ def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
 # back on the synchronous route, or a checkpoint loaded there) is charged it too, though later
 # in training it over-charges. Charged in local mode too, it kept THC to the end at 20 Mbit/s
 # (2.5x, 1.9x, 2.1x and 2.7x torchft's time to its loss, against 3.5x for the route moving to
-# SparseLoCo at step 336 the same session): later in training a sparse pseudo-gradient costs less.
+# SparseLoCo at step 336 the same session): later in training a sparse pseudo-gradient costs less
+# (from step 320 of THC, 1.01-1.24 at 3 % and 1.24-1.75 at 1 %, H = 8 to 64, four seeds:
+# bench/results/parity_sparse_period_midrun_s16.json; not charged).
 SPARSE_SUM_PERIOD = {
     0.01: ((2, 1.541), (8, 1.426), (16, 1.467), (32, 1.576), (64, 1.649)),
     0.03: ((2, 1.381), (8, 1.327), (16, 1.307), (32, 1.415), (64, 1.437)),
@@ -437,8 +440,8 @@ def entry_period_of(comp, hp, adaptive):
     (SparseLoCo of a measured density, 2-bit values, chunks of 4096, residual decayed 0.95,
     summed over the clusters: no momentum, lr above 1; an inner optimizer not of the Adam
     family), else None."""
-    if not (selective(comp) and not adaptive and getattr(comp, "bits", None) == 2 and getattr(comp, "chunk", None) == 4096
-            and getattr(comp, "feedback_decay", None) == 0.95
+    if not (selective(comp) and not adaptive and getattr(comp, "bits", None) == 2
+            and getattr(comp, "chunk", None) == 4096 and getattr(comp, "feedback_decay", None) == 0.95
             and hp.get("momentum", 0.0) == 0 and hp.get("lr", 1.0) > 1.0):
         return None
     return sparse_period_cost(comp.density)
