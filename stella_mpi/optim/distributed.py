@@ -286,11 +286,19 @@ class _DistributedOptimizer(BucketedOptimizer):
             self._route.synchronize()
         except NonFiniteGradientError:   # STELLA_NONFINITE=raise: the step is refused, and still counted
             if not again:
-                outer.step_closed(skipped=True)
+                self._close_step(outer, skipped=True)
             raise
         self._synchronized = True
         if not again:
-            outer.step_closed(skipped=self._route.skip)
+            self._close_step(outer, skipped=self._route.skip)
+
+    def _close_step(self, outer, skipped):
+        """The step counted in the local steps' period. Where it ran the period's exchange (a
+        skipped last step), the tuner's decisions after an exchange (each rank a replica) are
+        taken now: the ranks that step take them after their update, and a rank whose step()
+        never comes (a GradScaler that found an Inf) would take them a step later."""
+        if outer.step_closed(skipped) and self._tuner is not None:
+            self._tuner.after_step(None)
 
     def skip_synchronize(self):
         """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself).

@@ -335,7 +335,8 @@ class NoOuterSync:
         pass
 
     def step_closed(self, skipped):
-        pass
+        """Returns whether a period's exchange ran in it (a skipped last step's): never here."""
+        return False
 
     def before_step(self):
         pass
@@ -500,10 +501,11 @@ class LocalStepsSync:
         counted here, not in ``step()``: a rank whose step is skipped (a non-finite gradient, a
         GradScaler that found one and never calls ``step()``, ``STELLA_NONFINITE=raise``) counts it
         all the same, so every cluster meets at the same step. A skipped last step changes no
-        parameter, so its exchange runs now; otherwise it runs after the user's update."""
+        parameter, so its exchange runs now; otherwise it runs after the user's update. Returns
+        whether it ran now (the caller then takes the decisions that follow an exchange: the
+        ranks that step take them after their update, at the same step)."""
         if self.streaming:
-            self._count_streaming(skipped)
-            return
+            return self._count_streaming(skipped)
         p = self.progress
         p.local_steps += 1
         if self.channel is not None:    # (also drives MPI's progress on the exchange in flight)
@@ -512,6 +514,8 @@ class LocalStepsSync:
             self.due = True
             if skipped:
                 self._boundary(skipped=True)
+                return True
+        return False
 
     def _period_over(self):
         """``every`` steps; with pace "time" and a period measured, the step that ends nearest the
@@ -739,6 +743,8 @@ class LocalStepsSync:
             self.due = True
             if skipped:
                 self._boundary(skipped=True)
+                return True
+        return False
 
     def _streaming_boundary(self, skipped=False):
         """After the step's update: apply the exchange whose delay ran out, then launch the

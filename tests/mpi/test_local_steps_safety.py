@@ -154,6 +154,47 @@ def test_gradscaler_skips_in_one_cluster_do_not_shift_the_exchanges(overlap):
     assert max(skipped) >= 1 and min(skipped) == 0, skipped
 
 
+@pytest.mark.auto_route
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_gradscaler_skips_on_the_automatic_route_keep_every_rank_at_the_same_step(offset):
+    """The automatic route under Horovod's GradScaler pattern, the last cluster's loss Inf at every
+    third step (from ``offset``: over the three cases, every step once), so its ranks call
+    ``step()`` only at the others: the adjuster's decisions, the entry into local steps, each
+    rank made a replica (forced: local steps win, the cluster's reductions take all of the time)
+    and the exchanges still come at the same step on every rank, and the clusters meet on the
+    same parameters."""
+    model = small_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   adjuster=hvd.Adjuster(interval=1, window=1, local_steps=(4,)))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    tuner = opt._tuner
+    tuner.rule.sync_score = lambda est: float("inf")   # local steps win at the first decision
+    tuner.local.inner_busy = lambda: 1.0               # and each rank a replica after its first period
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    history = []
+    for step in range(24):
+        opt.zero_grad()
+        x, y = rank_batch(hvd.rank(), step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step % 3 == offset and _last_cluster():
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        history.append((step, opt.mode, tuner.inner, opt._route.kind, opt._outer.progress.exchanges
+                        if opt.mode == "local" else None))
+    histories = hvd.allgather_object(history)
+    assert all(h == histories[0] for h in histories), histories
+    assert any(inner == "rank" for _, _, inner, _, _ in history), history
+    opt.sync_clusters()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert _same_everywhere(model)
+
+
 def test_inner_steps_reduce_their_gradients_without_the_collective_thread(monkeypatch):
     """Inner steps submit nothing to the collective thread (each submission cost a negotiation
     round with every rank of the job, across the WAN, and queued behind an outer exchange in
