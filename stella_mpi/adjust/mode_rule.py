@@ -37,7 +37,9 @@ a scale of its own, times ``sparse_pseudo_factor(H)``, least at H = 8 (optim/tun
 calibrated on the byte LM; none and fp16: 0). Entering local steps from the synchronous route,
 a rung with an ``entry_period`` (the automatic route's sparse rungs under SGD: their steps from
 the start of training over THC's at H = 32, 1.31-1.65, optim/tuning.py's ``SPARSE_SUM_PERIOD``)
-is charged that in place of ``pseudo`` and ``period(H)``.
+is charged that in place of ``pseudo`` and ``period(H)``; in local mode, one with a
+``later_period`` (the same rungs' steps from step 320 of THC: 1.01-1.24 at 3 %, 1.24-1.75 at 1 %,
+``SPARSE_SUM_LATER``) is charged that.
 
 What each side is predicted from:
 
@@ -253,12 +255,14 @@ class PseudoRung:
     the rung costs as local steps are entered from the synchronous route, in place of its backlog
     and period: the steps it needs at H = ``every`` from the start of training over those of the
     route's THC rung at H = 32 (optim/tuning.py's ``sparse_period_cost``: measured from scratch,
-    it over-charges a sparse rung later in training, so local mode keeps the backlog)."""
+    it over-charges a sparse rung later in training). ``later_period(every)``: where set, the
+    same in local mode, as measured later in training (optim/tuning.py's ``SPARSE_SUM_LATER``)."""
     name: str
     payload_per_entry: float
     backlog: Callable
     period: Callable = None   # every -> the steps the outer step needs at that H, over its best H's (None: 1)
     entry_period: Callable = None   # every -> as entered from the synchronous route (None: backlog and period)
+    later_period: Callable = None   # every -> in local mode (None: backlog and period)
 
 
 @dataclass(frozen=True)
@@ -329,11 +333,13 @@ class ModeRule:
     def local_score(self, est, step_s, exchange_s, every, rung=None, delay=0, entering=False):
         """The score of local steps through ``rung`` (default: the current one) at H = ``every``;
         ``entering``: as entered from the synchronous route, a rung's ``entry_period`` in place of
-        its backlog and period cost where it has one."""
+        its backlog and period cost where it has one; otherwise its ``later_period`` where it has
+        one."""
         r = self.rung if rung is None else self.pseudo[rung]
         held = est.backlog_kappa * local_backlog_shape(every, self.nclusters, delay)
-        if entering and r.entry_period is not None:
-            period = r.entry_period(every)
+        measured = r.entry_period if entering else r.later_period
+        if measured is not None:
+            period = measured(every)
         else:
             held += r.backlog(est, every)
             period = r.period(every) if r.period is not None else 1.0

@@ -417,34 +417,63 @@ def outer_period_cost(every, table=OUTER_MOMENTUM_PERIOD):
 # back on the synchronous route, or a checkpoint loaded there) is charged it too, though later
 # in training it over-charges. Charged in local mode too, it kept THC to the end at 20 Mbit/s
 # (2.5x, 1.9x, 2.1x and 2.7x torchft's time to its loss, against 3.5x for the route moving to
-# SparseLoCo at step 336 the same session): later in training a sparse pseudo-gradient costs less
-# (from step 320 of THC, 1.01-1.24 at 3 % and 1.24-1.75 at 1 %, H = 8 to 64, four seeds:
-# bench/results/parity_sparse_period_midrun_s16.json; not charged).
+# SparseLoCo at step 336 the same session): later in training a sparse pseudo-gradient costs
+# less, SPARSE_SUM_LATER (below), which local mode charges.
 SPARSE_SUM_PERIOD = {
     0.01: ((2, 1.541), (8, 1.426), (16, 1.467), (32, 1.576), (64, 1.649)),
     0.03: ((2, 1.381), (8, 1.327), (16, 1.307), (32, 1.415), (64, 1.437)),
 }
 
+# The same cost later in training, in the same unit: each rung from step 320 of THC at H = 32
+# (the model, each rank's SGD momentum and the data position carried over, a fresh outer step),
+# 320 steps more; each loss converted to the steps a dense continuation from that point needed to
+# reach it; THC at H = 32 kept on over each rung, the median of four seeds (seed 0's reference
+# ended on a bump and read 0.69-1.05 throughout): bench/results/parity_sparse_period_midrun_s16.json.
+# THC restarted with a fresh outer step costs 1.00-1.21 on the same measure, dense 1.12-1.24.
+# Charged in local mode (PseudoRung.later_period), in place of the rung's backlog, which charged
+# 1.02-1.04 at any H: SparseLoCo 3 % then costs what THC does at H = 8-16, 1 % a quarter more
+# there and three quarters more at H = 64. Below H = 8 (not measured later in training) it
+# rises as from the start of training, where H = 2 cost 1.04-1.08 times H = 8 (extrapolated from
+# H = 8-16 it fell instead, and a 1 % rung at H = 2 outscored THC).
+_SPARSE_SUM_LATER_MEASURED = {
+    0.01: ((8, 1.237), (16, 1.273), (32, 1.408), (64, 1.754)),
+    0.03: ((8, 1.069), (16, 1.011), (32, 1.128), (64, 1.236)),
+}
+SPARSE_SUM_LATER = {
+    d: ((2, pts[0][1] * dict(SPARSE_SUM_PERIOD[d])[2] / dict(SPARSE_SUM_PERIOD[d])[pts[0][0]]),) + pts
+    for d, pts in _SPARSE_SUM_LATER_MEASURED.items()
+}
 
-def sparse_period_cost(density):
-    """The period cost from the start of training of the automatic route's sparse rung of
-    ``density`` under SGD, over THC's at H = 32 (:data:`SPARSE_SUM_PERIOD`), or None where that
-    density was not measured."""
-    table = next((t for d, t in SPARSE_SUM_PERIOD.items() if math.isclose(d, density)), None)
+
+def sparse_period_cost(density, tables=SPARSE_SUM_PERIOD):
+    """The period cost of the automatic route's sparse rung of ``density`` under SGD, over THC's
+    at H = 32: from the start of training (:data:`SPARSE_SUM_PERIOD`), or as ``tables`` measured
+    it (:data:`SPARSE_SUM_LATER`); None where that density was not measured."""
+    table = next((t for d, t in tables.items() if math.isclose(d, density)), None)
     return None if table is None else functools.partial(outer_period_cost, table=table)
+
+
+def _measured_sparse(comp, hp, adaptive):
+    """Whether rung ``comp`` with outer SGD hyperparameters ``hp`` is a sparse rung as
+    :data:`SPARSE_SUM_PERIOD` and :data:`SPARSE_SUM_LATER` measured it: SparseLoCo (of a measured
+    density), 2-bit values, chunks of 4096, residual decayed 0.95, summed over the clusters (no
+    momentum, lr above 1), an inner optimizer not of the Adam family."""
+    return (selective(comp) and not adaptive and getattr(comp, "bits", None) == 2
+            and getattr(comp, "chunk", None) == 4096 and getattr(comp, "feedback_decay", None) == 0.95
+            and hp.get("momentum", 0.0) == 0 and hp.get("lr", 1.0) > 1.0)
 
 
 def entry_period_of(comp, hp, adaptive):
     """The ``PseudoRung.entry_period`` of rung ``comp`` with outer SGD hyperparameters ``hp``: its
-    :func:`sparse_period_cost` where it is a sparse rung as :data:`SPARSE_SUM_PERIOD` measured it
-    (SparseLoCo of a measured density, 2-bit values, chunks of 4096, residual decayed 0.95,
-    summed over the clusters: no momentum, lr above 1; an inner optimizer not of the Adam
-    family), else None."""
-    if not (selective(comp) and not adaptive and getattr(comp, "bits", None) == 2
-            and getattr(comp, "chunk", None) == 4096 and getattr(comp, "feedback_decay", None) == 0.95
-            and hp.get("momentum", 0.0) == 0 and hp.get("lr", 1.0) > 1.0):
-        return None
-    return sparse_period_cost(comp.density)
+    cost from the start of training (:func:`sparse_period_cost`) where :func:`_measured_sparse`,
+    else None."""
+    return sparse_period_cost(comp.density) if _measured_sparse(comp, hp, adaptive) else None
+
+
+def later_period_of(comp, hp, adaptive):
+    """The ``PseudoRung.later_period`` of rung ``comp`` with outer SGD hyperparameters ``hp``: its
+    cost later in training (:data:`SPARSE_SUM_LATER`) where :func:`_measured_sparse`, else None."""
+    return sparse_period_cost(comp.density, SPARSE_SUM_LATER) if _measured_sparse(comp, hp, adaptive) else None
 
 
 def average_period_cost(every):
@@ -602,22 +631,24 @@ class ModeSwitch:
             fitting = tuple(f for f in adjuster.fragments if f <= len(local.named)) or (1,)
             self.rule = ModeRule(dataclasses.replace(adjuster, fragments=fitting), ctrl, nclusters,
                                  [PseudoRung(n, payload_per_entry(c, nclusters), _backlog_of(ctrl, c), period,
-                                             entry)
-                                  for n, c, period, entry in zip(self.rung_names, self.rungs,
-                                                                 self._rung_periods(local), self._entry_periods())],
+                                             entry, later)
+                                  for n, c, period, entry, later in zip(
+                                      self.rung_names, self.rungs, self._rung_periods(local),
+                                      self._measured_periods(entry_period_of), self._measured_periods(later_period_of))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)),
                                  shares={f: fragment_shares(local.named, f) for f in fitting})
             local.schedules_chosen = self.rule.schedules
 
-    def _entry_periods(self):
-        """Per rung, its cost as local steps are entered (:func:`entry_period_of`): the
-        automatic route's rungs only (their outer steps are the ones measured)."""
+    def _measured_periods(self, of):
+        """Per rung, its measured cost as local steps are entered (``of`` :func:`entry_period_of`)
+        or in local mode (:func:`later_period_of`): the automatic route's rungs only (their outer
+        steps are the ones measured)."""
         if not self.rung_outers:
             return [None] * len(self.rungs)
         adaptive = adaptive_inner(self.opt)
-        return [entry_period_of(c, hp, adaptive) for c, hp in zip(self.rungs, self.rung_outers)]
+        return [of(c, hp, adaptive) for c, hp in zip(self.rungs, self.rung_outers)]
 
     def _rung_periods(self, local):
         """Per rung, the period cost of the outer step it runs with (:func:`period_cost_of`): the

@@ -1141,10 +1141,11 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
     """The automatic route's THC rung steps by DiLoCo's Nesterov under SGD, by averaging under
     Adam (optim/tuning.py's auto_outer_of): its rung carries that outer step's measured period
     cost (outer_period_cost, average_period_cost), SparseLoCo's (the clusters' sum) none, but
-    under SGD their measured cost from scratch as local steps are entered (entry_period); in
+    under SGD their measured cost from scratch as local steps are entered (entry_period) and
+    later in training in local mode (later_period); in
     local mode the local-steps rule chooses H by the mode rule's score of the rung in force, and
     the outer optimizers step with that rung's hyperparameters."""
-    from stella_mpi.optim.tuning import average_period_cost, outer_period_cost, sparse_period_cost
+    from stella_mpi.optim.tuning import SPARSE_SUM_LATER, average_period_cost, outer_period_cost, sparse_period_cost
     if hvd.global_process_set.topology.num_clusters < 2:
         pytest.skip("one cluster: no automatic route across clusters")
     seen, outers = [], set()
@@ -1169,12 +1170,14 @@ def test_the_automatic_route_scores_h_with_the_outer_steps_period_cost(inner):
     rungs = opt._tuner.rule.pseudo
     thc_period = outer_period_cost if inner == "sgd" else average_period_cost
     assert [r.period for r in rungs] == [thc_period, None, None], rungs
-    assert rungs[0].entry_period is None
+    assert rungs[0].entry_period is None and rungs[0].later_period is None
     for r, density in zip(rungs[1:], (0.01, 0.03)):
         if inner == "sgd":
             assert [r.entry_period(h) for h in (2, 8, 64)] == [sparse_period_cost(density)(h) for h in (2, 8, 64)]
+            assert [r.later_period(h) for h in (2, 8, 64)] == [sparse_period_cost(density, SPARSE_SUM_LATER)(h)
+                                                                for h in (2, 8, 64)]
         else:
-            assert r.entry_period is None, r
+            assert r.entry_period is None and r.later_period is None, r
     assert seen and all(same for _, same in seen), seen
     thc = {"sgd": (0.7, 0.9, True), "adam": (1.0, 0.0, False)}[inner]
     clusters = float(hvd.global_process_set.topology.num_clusters)

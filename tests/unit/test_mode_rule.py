@@ -256,7 +256,7 @@ def test_the_rung_entering_local_steps_follows_the_link():
     assert chosen[2 * MBIT][1] < 64      # THC would need more than the ladder's longest period
 
 
-def test_sparse_rungs_are_entered_at_their_cost_from_scratch_and_keep_their_backlog_after():
+def test_sparse_rungs_are_charged_their_cost_from_scratch_entering_and_later_in_local_mode():
     """SPARSE_SUM_PERIOD (bench/results/parity_sparse_period_s15.json): the steps SparseLoCo's
     rungs need at H from the start of training over THC's at H = 32, 1.31-1.65. It is their
     entry_period: charged as local steps are entered from the synchronous route, in place of
@@ -265,32 +265,45 @@ def test_sparse_rungs_are_entered_at_their_cost_from_scratch_and_keep_their_back
     5 Mbit/s; with the backlog alone, through SparseLoCo up to 100 Mbit/s (a run at 14 Mbit/s
     entered through it at H=8 and did 1.82x torchft's time to loss, where the runs entering
     through THC did 2.9-3.6x); with the schedules of fragments and a delay, THC's exchange hides
-    behind 4 fragments with a delay of 4 at 5 Mbit/s too. In local
-    mode the rungs keep their backlog: the table, measured from scratch, over-charges them later
-    in training."""
+    behind 4 fragments with a delay of 4 at 5 Mbit/s too. In local mode they are charged
+    SPARSE_SUM_LATER instead (parity_sparse_period_midrun_s16.json: from step 320 of THC,
+    1.01-1.24 at 3 %, 1.24-1.75 at 1 %), below H = 8 rising as from scratch."""
     from stella_mpi import Compression
-    from stella_mpi.optim.tuning import (SPARSE_SUM_PERIOD, _backlog_of, _comp_name, auto_outer_of,
-                                         auto_pseudo_rungs, entry_period_of, payload_per_entry, period_cost_of,
-                                         sparse_period_cost)
+    from stella_mpi.optim.tuning import (SPARSE_SUM_LATER, SPARSE_SUM_PERIOD, _backlog_of, _comp_name,
+                                         auto_outer_of, auto_pseudo_rungs, entry_period_of, later_period_of,
+                                         payload_per_entry, period_cost_of, sparse_period_cost)
+    assert set(SPARSE_SUM_LATER) == set(SPARSE_SUM_PERIOD)
     for density, table in SPARSE_SUM_PERIOD.items():
         assert all(c > 1.0 for _, c in table)
         comp = Compression.sparseloco(density=density, bits=2, feedback_decay=0.95)
         entry = entry_period_of(comp, auto_outer_of(comp, 2), False)
         assert [entry(h) for h, _ in table] == pytest.approx([c for _, c in table])
         assert entry(4) == pytest.approx(sparse_period_cost(density)(4))
-        assert entry_period_of(comp, auto_outer_of(comp, 2, adaptive=True), True) is None   # Adam: not measured
-        assert entry_period_of(comp, {"lr": 1.0, "momentum": 0.0}, False) is None          # averaged
+        later = later_period_of(comp, auto_outer_of(comp, 2), False)
+        assert [later(h) for h, _ in SPARSE_SUM_LATER[density]] == pytest.approx([c for _, c in SPARSE_SUM_LATER[density]])
+        # cheaper later in training, but for 1 % at H = 64 (1.75 against 1.65 from scratch)
+        assert all(later(h) < entry(h) for h in (2, 4, 8, 16, 32)) and (later(64) < entry(64)) == (density > 0.01)
+        assert later(2) > later(8) and later(2) / later(8) == pytest.approx(entry(2) / entry(8))
+        for of in (entry_period_of, later_period_of):
+            assert of(comp, auto_outer_of(comp, 2, adaptive=True), True) is None   # Adam: not measured
+            assert of(comp, {"lr": 1.0, "momentum": 0.0}, False) is None          # averaged
+    three, one = (later_period_of(Compression.sparseloco(density=d, bits=2, feedback_decay=0.95),
+                                  auto_outer_of(Compression.sparseloco(d), 2), False) for d in (0.03, 0.01))
+    assert min((2, 4, 8, 16, 32, 64), key=three) == 16 and min((2, 4, 8, 16, 32, 64), key=one) == 8
     summed = auto_outer_of(Compression.sparseloco(0.01), 2)
-    assert entry_period_of(Compression.sparseloco(density=0.01, bits=4, feedback_decay=0.95), summed, False) is None
-    assert entry_period_of(Compression.sparseloco(density=0.02, bits=2, feedback_decay=0.95), summed, False) is None
+    for of in (entry_period_of, later_period_of):
+        assert of(Compression.sparseloco(density=0.01, bits=4, feedback_decay=0.95), summed, False) is None
+        assert of(Compression.sparseloco(density=0.02, bits=2, feedback_decay=0.95), summed, False) is None
     thc = Compression.thc(bits=4)
     assert entry_period_of(thc, auto_outer_of(thc, 2), False) is None and sparse_period_cost(0.02) is None
+    assert later_period_of(thc, auto_outer_of(thc, 2), False) is None
 
     def auto_rungs(entry):   # as ModeSwitch builds the automatic route's under SGD
         ctrl = Controller(Adjuster(modes=("sync", "local")), density=0.01)
         return [PseudoRung(_comp_name(c), payload_per_entry(c, 2), _backlog_of(ctrl, c),
                            period_cost_of(auto_outer_of(c, 2), False),
-                           entry_period_of(c, auto_outer_of(c, 2), False) if entry else None)
+                           entry_period_of(c, auto_outer_of(c, 2), False) if entry else None,
+                           later_period_of(c, auto_outer_of(c, 2), False) if entry else None)
                 for c in auto_pseudo_rungs()]
 
     for rate, now, streamed, before in ((2, "sparseloco 3 %", "sparseloco 3 %", "sparseloco"),
@@ -310,14 +323,18 @@ def test_sparse_rungs_are_entered_at_their_cost_from_scratch_and_keep_their_back
                 if r.mode == "local":
                     break
             assert r.mode == "local" and r.rung.name.startswith(want), (rate, entry, schedules, why)
-            if entry:   # in local mode: the backlog and period, as without an entry cost
+            if entry:   # against the backlog alone: more entering, more later at 1 % (not at 3 %, H = 16)
                 plain = ModeRule(s, Controller(s, density=0.01), 2, auto_rungs(False), link_bps=rate * MBIT)
                 for i in range(3):
-                    for h in (8, 64):
-                        assert r.local_score(est, 0.05, 0.1, h, i) == plain.local_score(est, 0.05, 0.1, h, i)
+                    for h in (8, 16, 64):
                         entering = r.local_score(est, 0.05, 0.1, h, i, entering=True)
                         was = plain.local_score(est, 0.05, 0.1, h, i, entering=True)
                         assert entering == was if i == 0 else entering > 1.25 * was   # (THC: no entry cost)
+                        later = r.local_score(est, 0.05, 0.1, h, i)
+                        was = plain.local_score(est, 0.05, 0.1, h, i)
+                        one = r.pseudo[i].name.startswith("sparseloco 1 %")
+                        assert later == was if i == 0 else later > 1.15 * was if one else later > 0.97 * was, (
+                            r.pseudo[i].name, h, later / was)
 
 
 def test_in_local_mode_a_slow_exchange_moves_to_a_smaller_rung():
