@@ -107,6 +107,7 @@ in production), so it is tested in one process against a two-cluster simulation
 """
 import dataclasses
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -428,6 +429,12 @@ class LocalStepsSync:
         # the next, and each cycle of H steps is measured for the mode rule (_measure_cycle)
         self.schedules_chosen = False
         self._cycle = _Cycle()
+        # the steady step: the median of the cycle's steps (start of one synchronize to the next),
+        # most of which no landing blocks; the largest over ranks of the last timed gather (None:
+        # none), from which the mode rule predicts another rung's steps (ModeRule.after_local)
+        self.steady_s = None
+        self._step_at = None
+        self._steps = []
 
     def _plan(self, settings, qualified=False):
         """The fragments of ``settings`` (each with a fresh outer optimizer) and whether their
@@ -493,6 +500,11 @@ class LocalStepsSync:
         or not it then calls ``step()``): the anchor is taken before the first update, and an
         exchange still owed by a period whose last step never reached ``step()`` runs now."""
         self.before_step()
+        if self.schedules_chosen:
+            now = self.clock()
+            if self._step_at is not None:
+                self._steps.append(now - self._step_at)
+            self._step_at = now
         if self.due:
             self._boundary(skipped=True)
 
@@ -590,6 +602,7 @@ class LocalStepsSync:
                     if p in kept:
                         outer.state[p] = kept[p]
         self._period_start = None
+        self._step_at, self._steps = None, []
         self.in_sync = True
 
     def _outer_state(self):
@@ -675,6 +688,7 @@ class LocalStepsSync:
         which = " of %s" % fragment.describe() if fragment.count > 1 else ""
         self.refusals.append((n, fragment.describe() + ": " + why if which else why))
         self._period_start = None   # the next period is timed from its start: it decides nothing
+        self._step_at, self._steps = None, []
         with torch.no_grad():
             for name, p in fragment.named:
                 p.copy_(self.anchor[name])
@@ -832,7 +846,9 @@ class LocalStepsSync:
         start = self._period_start if self._period_start is not None else now
         compute_s = max(0.0, now - start - cycle.blocked) / max(1, self.progress.every)
         timed = self._timed and not skipped and cycle.landed > 0
-        self.measured = self._gathered(compute_s, cycle.blocked, cycle.wire, timed)
+        steps, self._steps = self._steps, []
+        self.measured = self._gathered(compute_s, cycle.blocked, cycle.wire, timed,
+                                       statistics.median(steps) if steps else compute_s)
         self._period_start, self._timed = self.clock(), True
         return self.measured
 
@@ -904,6 +920,7 @@ class LocalStepsSync:
         self.progress.local_steps = 0
         self.in_sync = True
         self._period_start = None   # the next period starts at the next step (its first untimed)
+        self._step_at, self._steps = None, []
 
     def consensus_parameters(self):
         """{name: tensor}: the anchor, the parameters the clusters last agreed on."""
@@ -934,23 +951,26 @@ class LocalStepsSync:
         self._period_start, self._timed = self.clock(), True
         return self.measured
 
-    def _gathered(self, compute_s, exchange_s, wire_s, timed):
+    def _gathered(self, compute_s, exchange_s, wire_s, timed, steady_s=0.0):
         """This rank's period times (the exchange with the last gather's time), gathered from
         every rank as integer microseconds with its cluster (one all-gather: every rank decides
         from the same values) and combined by :func:`..adjust.local_steps_rule.period_times`;
         None unless every rank's period was ``timed``. The share of time in the cluster's
         reductions (``inner_busy``, in millionths) rides along in every gather, timed or not: it
-        is measured over its own interval, so the first period of a phase tells it too."""
+        is measured over its own interval, so the first period of a phase tells it too. So does
+        the steady step (``steady_s``, a cycle's median; the largest over ranks: ``steady_s``)."""
         t0 = self.clock()
         share = self.inner_busy() if self.inner_busy is not None else 0.0
         mine = torch.tensor([[round(1e6 * compute_s), round(1e6 * (exchange_s + self._gather_s)),
-                              round(1e6 * wire_s), self.cluster_id, int(timed), round(1e6 * share)]], dtype=torch.int64)
+                              round(1e6 * wire_s), self.cluster_id, int(timed), round(1e6 * share),
+                              round(1e6 * steady_s)]], dtype=torch.int64)
         rows = self.gather(mine)
         self._gather_s = self.clock() - t0
         if self.inner_busy is not None:
             self.inner_busy_share = 1e-6 * int(rows[:, 5].max())
         if not bool((rows[:, 4] == 1).all()):
             return None
+        self.steady_s = 1e-6 * int(rows[:, 6].max()) or None
         return period_times([[1e-6 * int(r[0]), 1e-6 * int(r[1]), 1e-6 * int(r[2]), int(r[3])] for r in rows.tolist()])
 
     # ---------------- checkpoints
@@ -1040,6 +1060,7 @@ class LocalStepsSync:
         if self.paced:
             self.period_s = sd.get("period_s")
         self._period_start = None
+        self._step_at, self._steps = None, []
         self.in_sync = False
         self.due, self._launch_due = False, None
 

@@ -761,7 +761,8 @@ class ModeSwitch:
             if self.rule is not None and measured is not None:
                 compute, exchange, wire = measured
                 rung, now = self.rule.pseudo_index, self.schedule
-                _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire, now)
+                _, self.reason = self.rule.after_local(compute, exchange, self.local.every, wire, now,
+                                                       self.local.steady_s)
                 self.votes.append((opt._step_count, self.rule.mode, self.reason))
                 if self.rule.mode == "sync":
                     self._enter_sync()
