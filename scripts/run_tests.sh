@@ -28,6 +28,7 @@ else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
 fi
 bash scripts/setup_env.sh
+echo "run_tests.sh: set up in ${SECONDS} s"
 . .venv/bin/activate
 if [ -n "$c_pid" ]; then
     if ! wait "$c_pid"; then
@@ -37,6 +38,7 @@ if [ -n "$c_pid" ]; then
     fi
     c_pid=""
     grep -E "tests passed|Total Test time" build/c_tests.log || true
+    echo "run_tests.sh: C tests done at ${SECONDS} s"
 fi
 started=$(date +%s)
 if [ $# -gt 0 ]; then
