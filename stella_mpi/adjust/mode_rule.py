@@ -75,7 +75,8 @@ What each side is predicted from:
 The pseudo-gradient's rung (``Adjuster(pseudo_rungs=...)``; on the automatic route THC 4 bits
 and SparseLoCo's 2-bit chunked top-k at 1 % and 3 %): each rung is scored as local steps at the
 H the local-steps rule would choose for its exchange, with its own backlog (``pseudo``; entering
-from the synchronous route, its ``entry_period`` in place of that where it has one), and the
+from the synchronous route, its ``entry_period`` in place of that where it has one; in local
+mode its ``later_period`` where it has one), and the
 best one is the local side of the comparison. So the adjuster chooses the bits and the density
 of the outer sync by the time-to-loss objective, each at its least-scored H (the local-steps
 rule, fed the score of the rung in force, chooses H inside local steps the same way: without the
@@ -566,7 +567,10 @@ class ModeRule:
                 continue
             step_j, overhead_j, fit_j = scored, overhead, fit
             if streaming and j != self.pseudo_index:
-                step_j, overhead_j, fit_j = in_flight_scaled(scored, steady_s, overhead, fit, ratio)
+                # (the median stands for the step only where the step scored is this schedule's own:
+                # a blocking exchange's step, or the fit's, had nothing in flight to scale)
+                own = self.base is None and fit is None
+                step_j, overhead_j, fit_j = in_flight_scaled(scored, steady_s if own else None, overhead, fit, ratio)
             options = self._schedules(est, j, step_j, est.cpu_s, wire_j,
                                       self._option(est, j, step_j, wire_j + est.cpu_s), overhead_j, fit_j)
             if j == self.pseudo_index:   # this rung under another kind of schedule

@@ -500,7 +500,7 @@ class LocalStepsSync:
         or not it then calls ``step()``): the anchor is taken before the first update, and an
         exchange still owed by a period whose last step never reached ``step()`` runs now."""
         self.before_step()
-        if self.schedules_chosen:
+        if self.schedules_chosen and self.streaming:   # (emptied by each cycle's measure)
             now = self.clock()
             if self._step_at is not None:
                 self._steps.append(now - self._step_at)
@@ -858,6 +858,7 @@ class LocalStepsSync:
         holds the anchor. The schedule goes on from where it is."""
         self._launch_due = None
         self._cycle, self._period_start = _Cycle(), None   # (the cycle is not measured: a sync is no schedule)
+        self._step_at, self._steps = None, []
         if not self.anchor or self.in_sync:
             return
         error = None
