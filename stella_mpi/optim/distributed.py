@@ -296,7 +296,11 @@ class _DistributedOptimizer(BucketedOptimizer):
         """The step counted in the local steps' period. Where it ran the period's exchange (a
         skipped last step), the tuner's decisions after an exchange (each rank a replica) are
         taken now: the ranks that step take them after their update, and a rank whose step()
-        never comes (a GradScaler that found an Inf) would take them a step later."""
+        never comes (a GradScaler that found an Inf) would take them a step later. (A last step
+        the route did not refuse but whose step() never came, under STELLA_NONFINITE=off, runs
+        its exchange at the next synchronize(), and those decisions still come a step later
+        there: too late to change the route of that step's reductions, already launched. With
+        each cluster a replica its ranks skip alike, so they move together.)"""
         if outer.step_closed(skipped) and self._tuner is not None:
             self._tuner.after_step(None)
 

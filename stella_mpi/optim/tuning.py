@@ -431,10 +431,12 @@ SPARSE_SUM_PERIOD = {
 # ended on a bump and read 0.69-1.05 throughout): bench/results/parity_sparse_period_midrun_s16.json.
 # THC restarted with a fresh outer step costs 1.00-1.21 on the same measure, dense 1.12-1.24.
 # Charged in local mode (PseudoRung.later_period), in place of the rung's backlog, which charged
-# 1.02-1.04 at any H: SparseLoCo 3 % then costs what THC does at H = 8-16, 1 % a quarter more
-# there and three quarters more at H = 64. Below H = 8 (not measured later in training) it
-# rises as from the start of training, where H = 2 cost 1.04-1.08 times H = 8 (extrapolated from
-# H = 8-16 it fell instead, and a 1 % rung at H = 2 outscored THC).
+# 1.02-1.04 at any H: SparseLoCo 3 % at H = 8-16 then costs what THC does at H = 32, 1 % a
+# quarter more there and three quarters more at H = 64. (THC's own period cost in local mode is
+# still OUTER_MOMENTUM_PERIOD's, measured from scratch; the two share H = 32's reference.) Below
+# H = 8 (not measured later in training) it rises as from the start of training, where H = 2 cost
+# 1.04-1.08 times H = 8 (extrapolated from H = 8-16 it fell instead, and a 1 % rung at H = 2
+# outscored THC).
 _SPARSE_SUM_LATER_MEASURED = {
     0.01: ((8, 1.237), (16, 1.273), (32, 1.408), (64, 1.754)),
     0.03: ((8, 1.069), (16, 1.011), (32, 1.128), (64, 1.236)),
@@ -634,7 +636,8 @@ class ModeSwitch:
                                              entry, later)
                                   for n, c, period, entry, later in zip(
                                       self.rung_names, self.rungs, self._rung_periods(local),
-                                      self._measured_periods(entry_period_of), self._measured_periods(later_period_of))],
+                                      self._measured_periods(entry_period_of),
+                                      self._measured_periods(later_period_of))],
                                  link_bps=probe.pair_bps if probe is not None else None,
                                  schedules=schedules_fit(local.settings, opt._spec.process_set.topology,
                                                          inner_steps_off_thread(opt, cluster_route)),
