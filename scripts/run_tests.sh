@@ -16,6 +16,7 @@ c_tests() {
 # the C tests need only cmake and a compiler: they build and run while pip fills the venv
 # (about 40 s of the fresh clone's 9 minutes)
 c_pid=""
+trap 'exit 130' INT TERM   # (then the EXIT trap ends the background runs, each a process group of its own)
 if command -v cmake >/dev/null; then
     mkdir -p build
     set -m   # (a process group of its own: setup failing or the script interrupted ends it whole)
@@ -23,7 +24,6 @@ if command -v cmake >/dev/null; then
     c_pid=$!
     set +m
     trap '[ -n "$c_pid" ] && kill -- -"$c_pid" 2>/dev/null; true' EXIT
-    trap 'exit 130' INT TERM
 else
     echo "cmake not found: skipping the C tests under ctest (the Python tests still exercise the C core)"
 fi
@@ -44,19 +44,21 @@ started=$(date +%s)
 if [ $# -gt 0 ]; then
     python -m pytest -q -m "not slow" --durations=25 "$@"
 else
-    # the tests that start no MPI job (tests/unit, in-process; the docs site's build) run in a
-    # second pytest beside the rest, whose jobs of 2-4 ranks leave a core idle much of the time
-    # (one pytest for all: 8m52s, the fresh clone 10m42s on a 2-core machine; split: 7m30s beside
-    # 2m32s, 9m35s). The sweep of MPICH files left behind (tests/conftest.py) is the rest's alone:
-    # the second run's could take a file of a job that is starting.
+    # the tests that launch no mpirun job (tests/unit: in-process, or single-process subprocesses;
+    # the docs site's build) run in a second pytest beside the rest, whose jobs of 2-4 ranks leave
+    # a core idle much of the time (one pytest for all: 8m52s, the fresh clone 10m42s on a 2-core
+    # machine; split: 7m30s beside 2m32s, 9m35s). The sweep of MPICH files left behind
+    # (tests/conftest.py) is the rest's alone: the second run's could take a file of a job that is
+    # starting.
     beside=(tests/unit tests/test_docs.py)
     mkdir -p build
     set -m
     STELLA_TESTS_NO_SWEEP=1 python -m pytest -q -m "not slow" -p no:cacheprovider "${beside[@]}" \
-        > build/beside_tests.log 2>&1 &
+        < /dev/null > build/beside_tests.log 2>&1 &
     beside_pid=$!
     set +m
-    trap '[ -n "$c_pid" ] && kill -- -"$c_pid" 2>/dev/null; [ -n "$beside_pid" ] && kill -- -"$beside_pid" 2>/dev/null; true' EXIT
+    trap '[ -n "$c_pid" ] && kill -- -"$c_pid" 2>/dev/null
+          [ -n "$beside_pid" ] && kill -- -"$beside_pid" 2>/dev/null; true' EXIT
     rest=0
     python -m pytest -q -m "not slow" --durations=25 "${beside[@]/#/--ignore=}" || rest=$?
     other=0
