@@ -352,15 +352,24 @@ def test_another_rungs_steps_under_a_schedule_carry_its_own_exchange_in_flight()
     assert in_flight_scaled(0.094, 0.061, None, None, 3.0) == (pytest.approx(0.094), None, None)
     assert in_flight_scaled(0.094, None, None, None, 0.1)[0] == 0.094      # no median measured
     assert in_flight_scaled(0.050, 0.061, None, None, 0.1)[0] == 0.050     # the median above: nothing added
-    scores = {}
-    for steady in (None, 0.061):
+    est = dataclasses.replace(estimate(10 * MBIT, kappa=0.13, elements=1.18e6, compute_s=0.045), cpu_s=0.005,
+                              backlog_kappa_thc=1.0)
+
+    def scheduled(steady, blocking_first):
+        """The rule's reason after a period of THC's delayed fragments, with the cycle's median
+        ``steady`` (``blocking_first``: a blocking exchange measured before, the rule's base)."""
         s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
         r = ModeRule(s, Controller(s, density=0.01), 2, rungs_of(auto_pseudo_rungs()), link_bps=10 * MBIT,
                      schedules=True)
-        est = dataclasses.replace(estimate(10 * MBIT, kappa=0.13, elements=1.18e6, compute_s=0.045), cpu_s=0.005,
-                                  backlog_kappa_thc=1.0)
-        r.take("local", est, schedule=Schedule(2, 4))
-        _, why = r.after_local(0.094, 0.196, 32, wire_s=0.9, schedule=Schedule(2, 4), steady_s=steady)
+        r.take("local", est, schedule=None if blocking_first else Schedule(2, 4))
+        if blocking_first:
+            r.after_local(0.070, 0.9, 32)
+            assert r.base is not None
+        return r.after_local(0.094, 0.196, 32, wire_s=0.9, schedule=Schedule(2, 4), steady_s=steady)[1]
+
+    scores = {}
+    for steady in (None, 0.061):
+        why = scheduled(steady, False)
         sparse = float(re.findall(r"0\.\d+", why.split("sparseloco 3 %")[-1])[-1])   # (the last option)
         scores[steady] = (float(re.search(r"local (0\.\d+)", why).group(1)), sparse)
         assert ("(median 61.0)" in why) == (steady is not None), why
@@ -368,18 +377,7 @@ def test_another_rungs_steps_under_a_schedule_carry_its_own_exchange_in_flight()
     assert thc == thc_now and slc_now < 0.75 * slc_then and slc_now < thc, scores
     # where a blocking exchange's step stands for the step (the rule's ``base``), nothing was in
     # flight beside it: the median does not move it
-    whys = []
-    for steady in (None, 0.061):
-        s = Adjuster(modes=("sync", "local"), window=1, min_density=0.01, max_density=0.01)
-        r = ModeRule(s, Controller(s, density=0.01), 2, rungs_of(auto_pseudo_rungs()), link_bps=10 * MBIT,
-                     schedules=True)
-        est = dataclasses.replace(estimate(10 * MBIT, kappa=0.13, elements=1.18e6, compute_s=0.045), cpu_s=0.005,
-                                  backlog_kappa_thc=1.0)
-        r.take("local", est)
-        r.after_local(0.070, 0.9, 32)   # the blocking schedule's exchange: the base
-        assert r.base is not None
-        _, why = r.after_local(0.094, 0.196, 32, wire_s=0.9, schedule=Schedule(2, 4), steady_s=steady)
-        whys.append(why.split("sparseloco 1 %")[-1])
+    whys = [scheduled(steady, True).split("sparseloco 1 %")[-1] for steady in (None, 0.061)]
     assert whys[0] == whys[1], whys
 
 
