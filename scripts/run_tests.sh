@@ -47,9 +47,9 @@ else
     # the tests that launch no mpirun job (tests/unit: in-process, or single-process subprocesses;
     # the docs site's build) run in a second pytest beside the rest, whose jobs of 2-4 ranks leave
     # a core idle much of the time (one pytest for all: 8m52s, the fresh clone 10m42s on a 2-core
-    # machine; split: 7m30s beside 2m32s, 9m35s; 10m27s on a slower stretch). The sweep of MPICH files left behind
-    # (tests/conftest.py) is the rest's alone: the second run's could take a file of a job that is
-    # starting.
+    # machine; split: 7m30s beside 2m32s, 9m35s; 10m27s on a slower stretch). The sweep of MPICH
+    # files left behind (tests/conftest.py) is the rest's alone: the second run's could take a
+    # file of a job that is starting.
     beside=(tests/unit tests/test_docs.py)
     mkdir -p build
     set -m

@@ -62,20 +62,21 @@ def test_main_job_compares_at_equal_time_and_draws_the_plot(tmp_path):
     assert all(float(ln.split("validation loss ")[1].split()[0]) < 5.55 for ln in ends), ends
 
 
-@pytest.mark.slow   # (bench_parity's mid-run start; two short 4-rank runs and a refusal)
+@pytest.mark.slow   # (bench_parity's mid-run start; three short 4-rank runs and two refusals)
 def test_a_saved_point_mid_run_is_where_the_next_run_starts(tmp_path):
     """--save-state writes each rank's model, inner state and data position; --load-state starts
     there: the next run's first held-out loss is the saved run's last, under local steps (each
     rank keeps its own inner state) and synchronously (the inner state averaged: the ranks'
-    parameters still agree at the end). A missing file is refused, naming it."""
+    parameters still agree at the end). A missing file is refused, naming it, and so is a point
+    written by another number of ranks."""
     stellarun = os.path.join(os.path.dirname(sys.executable), "stellarun")
     if not os.path.exists(stellarun):
         pytest.skip("stellarun is not installed in this environment")
     ck = str(tmp_path / "ck")
 
-    def train(*args):
+    def train(*args, ranks=4):
         out = tmp_path / "run.json"
-        proc = subprocess.run([stellarun, "-np", "4", "--clusters", "2", "--timeout", "60", sys.executable,
+        proc = subprocess.run([stellarun, "-np", str(ranks), "--clusters", "2", "--timeout", "60", sys.executable,
                                "examples/train_horovod.py", "--steps", "16", "--log-every", "16", "--hidden", "64",
                                "--optimizer", "sgd", "--lr", "0.05", "--json-out", str(out)] + list(args),
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -92,3 +93,5 @@ def test_a_saved_point_mid_run_is_where_the_next_run_starts(tmp_path):
         assert cont["identical"], args
     proc, _ = train("--load-state", str(tmp_path / "nowhere"))
     assert proc.returncode != 0 and "--load-state: %s.rank" % (tmp_path / "nowhere") in proc.stdout + proc.stderr
+    proc, _ = train("--load-state", ck, ranks=2)
+    assert proc.returncode != 0 and "was written by 4 ranks, this run has 2" in proc.stdout + proc.stderr

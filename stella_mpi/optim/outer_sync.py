@@ -431,7 +431,8 @@ class LocalStepsSync:
         self._cycle = _Cycle()
         # the steady step: the median of the cycle's steps (start of one synchronize to the next),
         # most of which no landing blocks; the largest over ranks of the last timed gather (None:
-        # none), from which the mode rule predicts another rung's steps (ModeRule.after_local)
+        # none), from which the mode rule predicts another rung's steps (ModeRule.after_local).
+        # The steps are dropped wherever the period starts over untimed (before_step)
         self.steady_s = None
         self._step_at = None
         self._steps = []
@@ -543,6 +544,7 @@ class LocalStepsSync:
             self.capture()                  # the broadcast parameters, before the first update
         if self._period_start is None:      # the first period (after a load): timed from here, not whole
             self._period_start, self._timed = self.clock(), False
+            self._step_at, self._steps = None, []   # (nor are its steps: the cycle's median starts here too)
 
     def after_step(self):
         """After the user's update: the exchange, when this step ended a period. Returns the
@@ -602,7 +604,6 @@ class LocalStepsSync:
                     if p in kept:
                         outer.state[p] = kept[p]
         self._period_start = None
-        self._step_at, self._steps = None, []
         self.in_sync = True
 
     def _outer_state(self):
@@ -688,7 +689,6 @@ class LocalStepsSync:
         which = " of %s" % fragment.describe() if fragment.count > 1 else ""
         self.refusals.append((n, fragment.describe() + ": " + why if which else why))
         self._period_start = None   # the next period is timed from its start: it decides nothing
-        self._step_at, self._steps = None, []
         with torch.no_grad():
             for name, p in fragment.named:
                 p.copy_(self.anchor[name])
@@ -846,7 +846,8 @@ class LocalStepsSync:
         start = self._period_start if self._period_start is not None else now
         compute_s = max(0.0, now - start - cycle.blocked) / max(1, self.progress.every)
         timed = self._timed and not skipped and cycle.landed > 0
-        steps, self._steps = self._steps, []
+        # (the period started over untimed since, by a refusal or a sync: its steps are not this cycle's)
+        steps, self._steps = self._steps if self._period_start is not None else [], []
         self.measured = self._gathered(compute_s, cycle.blocked, cycle.wire, timed,
                                        statistics.median(steps) if steps else compute_s)
         self._period_start, self._timed = self.clock(), True
@@ -858,7 +859,6 @@ class LocalStepsSync:
         holds the anchor. The schedule goes on from where it is."""
         self._launch_due = None
         self._cycle, self._period_start = _Cycle(), None   # (the cycle is not measured: a sync is no schedule)
-        self._step_at, self._steps = None, []
         if not self.anchor or self.in_sync:
             return
         error = None
@@ -921,7 +921,6 @@ class LocalStepsSync:
         self.progress.local_steps = 0
         self.in_sync = True
         self._period_start = None   # the next period starts at the next step (its first untimed)
-        self._step_at, self._steps = None, []
 
     def consensus_parameters(self):
         """{name: tensor}: the anchor, the parameters the clusters last agreed on."""
@@ -1061,7 +1060,6 @@ class LocalStepsSync:
         if self.paced:
             self.period_s = sd.get("period_s")
         self._period_start = None
-        self._step_at, self._steps = None, []
         self.in_sync = False
         self.due, self._launch_due = False, None
 
