@@ -82,7 +82,7 @@ from .settings import AdjusterSettings
 # One row per rank and window; the plumbing fills it in this order (one source of truth).
 ROW_FIELDS = ("steps", "step_s", "compute_s", "idle_s", "optimizer_s", "cpu_s", "exchange_s", "engine_s",
               "wan_bytes", "wan_messages", "latency_s", "batch", "density", "passes", "cluster", "group",
-              "residual_sq", "grad_sq", "bits", "elements")
+              "residual_sq", "grad_sq", "bits", "elements", "intra_s")
 F = {name: i for i, name in enumerate(ROW_FIELDS)}
 HISTORY = 12   # windows kept to fit the payload-independent overhead of an exchange
 THC_RETRY_WINDOWS = 60   # windows off THC rungs after which their measured fixed cost is forgotten (then 2x, 4x, ...)
@@ -111,6 +111,7 @@ class Estimate:
     fixed_thc_s: Optional[float] = None   # fixed_s measured on THC rungs (None: not yet; fixed_s is used)
     backlog_kappa_thc: float = 1.0        # THC's residual-to-gradient norm ratio over 1 / L
     cpu_s: float = 0.0          # of fixed_s: selection, encoding, decoding, merge per step, slowest rank
+    intra_s: float = 0.0        # the reductions inside the cluster per step (the hierarchy's stages), slowest rank
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def sample_from_rows(rows, overlap):
             "cpu_s": max(r[F["cpu_s"]] for r in rows),
             "bytes": nbytes, "exchange_s": secs, "bytes_per_density": None if bits else nbytes / density,
             "share": bw / sum(c[3] for c in channels), "step_s": step, "density": density, "backlog": backlog,
-            "bits": bits, "elements": elements}
+            "bits": bits, "elements": elements, "intra_s": max(_get(r, "intra_s") for r in rows)}
 
 
 def backlog_shape(density):
@@ -343,7 +344,8 @@ class Controller:
                         step_s=_median([h["step_s"] for h in recent]),
                         elements=_median([h.get("elements", 0.0) for h in recent]),
                         fixed_thc_s=self._known.get("fixed_thc"), backlog_kappa_thc=self.kappa_thc,
-                        cpu_s=_median([h.get("cpu_s", 0.0) for h in recent]))
+                        cpu_s=_median([h.get("cpu_s", 0.0) for h in recent]),
+                        intra_s=_median([h.get("intra_s", 0.0) for h in recent]))
 
     def predict(self, est, passes, density, bits=0):
         """Predicted step time of a rung: a sparse one (bits 0) by its payload per unit density,

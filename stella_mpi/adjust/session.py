@@ -182,7 +182,7 @@ class AdjustSession:
                    exchange_s=last["exchange_s"], engine_s=last.get("engine_s", 0.0),
                    wan_bytes=max(last["wan_bytes_sent"], last["wan_bytes_received"]),
                    wan_messages=last["wan_messages"], residual_sq=last["residual_sq"], grad_sq=last["grad_sq"],
-                   elements=last["elements"])
+                   elements=last["elements"], intra_s=last["intra_s"])
         values = np.array([row[k] for k in ROW_FIELDS], dtype=np.float64)
         values[~np.isfinite(values)] = 0.0   # a NaN gradient's norm must not end the job at the gather
         self._sums += values

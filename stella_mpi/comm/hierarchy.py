@@ -21,6 +21,7 @@ clusters MPI does, on the communicators of :class:`.topology.Communicators`:
 
 Every byte that crosses clusters is counted in ``stats`` and paced by ``pacer``.
 """
+import contextlib
 import logging
 import socket
 import time
@@ -172,6 +173,22 @@ class Hierarchy:
         self.device_intras = {}
         self.staged_reasons = {}
 
+    @contextlib.contextmanager
+    def _intra_stage(self, name, counted=1.0, **attrs):
+        """A stage of the reduction inside the cluster: its timeline span, and ``counted`` times
+        its seconds in the step's ``intra_s`` counter (the automatic route predicts from it
+        whether each rank should be a replica of local steps: optim/tuning.py). The stage that
+        hands the reduced buffer back (the all-gather, the broadcast) also waits for the
+        exchange across clusters (the other shards', the leader's), so it is not counted: the
+        stage before it, which moves as many bytes, counts twice."""
+        t0 = time.perf_counter()
+        try:
+            with timeline.span(name, **attrs):
+                yield
+        finally:
+            if counted:
+                self.stats.add(intra_s=counted * (time.perf_counter() - t0))
+
     # ---------------- reduction across clusters ----------------
 
     def cluster_shard(self, buf, op, counts=None):
@@ -183,7 +200,7 @@ class Hierarchy:
             return buf, counts
         me = topo.cluster_rank
         intra = self.intra_for(buf)
-        with timeline.span("INTRA_REDUCE_SCATTER", backend=intra.name, bytes=buf.numel() * buf.element_size()):
+        with self._intra_stage("INTRA_REDUCE_SCATTER", 2.0, backend=intra.name, bytes=buf.numel() * buf.element_size()):
             shard = intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype, buf.device))
         return shard, counts
 
@@ -191,7 +208,7 @@ class Hierarchy:
         """All-gather the cluster's shards (this rank's is ``shard``) into ``out``."""
         if self.topo.cluster_size > 1:
             intra = self.intra_for(shard)
-            with timeline.span("INTRA_ALLGATHER", backend=intra.name, bytes=out.numel() * out.element_size()):
+            with self._intra_stage("INTRA_ALLGATHER", 0.0, backend=intra.name, bytes=out.numel() * out.element_size()):
                 intra.allgather_into(shard, counts, out)
         elif shard is not out:
             out.copy_(shard)
@@ -208,12 +225,12 @@ class Hierarchy:
             self.gather_shards(shard, counts, buf)
             return
         if topo.cluster_size > 1:
-            with timeline.span("INTRA_REDUCE"):
+            with self._intra_stage("INTRA_REDUCE", 2.0):
                 self.intra_for(buf).reduce(buf, op, root=0)
         if topo.cluster_rank == 0:
             cross(buf, self.comms.leaders, "leader")
         if topo.cluster_size > 1:
-            with timeline.span("INTRA_BROADCAST"):
+            with self._intra_stage("INTRA_BROADCAST", 0.0):
                 self.intra_for(buf).bcast(buf, root=0)
 
     def allreduce(self, buf, op, wire_dtype=None):
@@ -225,7 +242,7 @@ class Hierarchy:
             return
         if topo.num_clusters == 1:
             intra = self.intra_for(buf)
-            with timeline.span("INTRA_ALLREDUCE", backend=intra.name, bytes=buf.numel() * buf.element_size()):
+            with self._intra_stage("INTRA_ALLREDUCE", backend=intra.name, bytes=buf.numel() * buf.element_size()):
                 intra.allreduce(buf, op)
             return
         self.reduce_across_clusters(buf, op, lambda piece, comm, kind: self.cross_reduce(piece, op, comm, wire_dtype))

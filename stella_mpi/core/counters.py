@@ -9,7 +9,8 @@ import threading
 
 COUNTERS = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "select_s", "encode_s", "exchange_s",
             "decode_s", "merge_s", "elements", "entries_sent", "engine_s",
-            "skipped_nonfinite")   # steps (or CPU-engine bucket updates) skipped for a NaN/Inf gradient
+            "skipped_nonfinite",   # steps (or CPU-engine bucket updates) skipped for a NaN/Inf gradient
+            "intra_s")   # seconds in the reductions inside the cluster (the hierarchy's stages)
 
 
 class WanStats:

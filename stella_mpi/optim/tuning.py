@@ -38,7 +38,7 @@ import torch
 from ..adjust.controller import Estimate, backlog_shape
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
-from ..adjust.mode_rule import BLOCKING, ModeRule, PseudoRung, Schedule
+from ..adjust.mode_rule import BLOCKING, ModeRule, PseudoRung, Schedule, local_step_time
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
@@ -599,10 +599,11 @@ class ModeSwitch:
       over all ranks, weighted by cluster size, because each cluster's followed its own
       gradients and the synchronous route needs it equal everywhere.
 
-    * Each rank a replica (the automatic route's own local steps): after a period of local
-      steps (the first of a phase included) in which the cluster's reductions took at least half
-      the hysteresis of the wall time on its slowest rank, inner steps reduce nothing from the
-      next step on (RankRoute, as
+    * Each rank a replica (the automatic route's own local steps): from the entry, where the
+      cluster's reductions in the synchronous steps took at least half the hysteresis of a local
+      step's predicted time (:meth:`_predicted_inner_share`); else after a period of local
+      steps (the first of a phase included) in which they took that share of the wall time on
+      its slowest rank, inner steps reduce nothing from the next step on (RankRoute, as
       ``LocalSteps(inner="rank")``), for the rest of the run; the checkpoint's ``stella_mode``
       holds it. With momentum correction each rank's velocity is then its own momentum buffer.
 
@@ -863,6 +864,11 @@ class ModeSwitch:
 
     def _enter_local(self):
         every, sched = self.rule.predicted_every, self.rule.predicted_schedule
+        share = self._predicted_inner_share()
+        if share is not None:
+            self.cluster_route = RankRoute(self.opt, self.opt._spec.process_set)
+            self.reason += ("; each rank a replica, nothing reduced at inner steps: the cluster's reductions took "
+                            "%.0f %% of a local step's predicted time in the synchronous steps" % (100 * share))
         self._start_share()
         self.local.restart(every, (sched.fragments, sched.delay) if self.rule.schedules else None)
         self._use_rung()
@@ -912,6 +918,25 @@ class ModeSwitch:
         entered or taken): a share gathered before, in another phase, is dropped."""
         self._busy_mark = self._busy_now()
         self.local.inner_busy_share = None
+
+    def _predicted_inner_share(self):
+        """The automatic route's replicas as it enters local steps: the share of a local step's
+        predicted time (:func:`~stella_mpi.adjust.mode_rule.local_step_time`, an upper bound)
+        that the cluster's reductions took in the synchronous steps (the hierarchy's
+        intra-cluster stages of the slowest rank, from the gathered telemetry: the same on every
+        rank), where it is at least the dead band's share :meth:`_choose_inner` asks of the
+        measured one: each rank is a replica from the first local step. Otherwise None: the
+        first period of local steps measures the share. (Deciding at the first period's end
+        cost the byte LM at 1 Gbit/s 32 steps of about 110 ms where each rank a replica steps
+        in about 72.)"""
+        if not self.chooses_inner or self.inner != "cluster":
+            return None
+        est = self.rule.sync_estimate
+        step = local_step_time(est) if est is not None else 0.0
+        if step <= 0.0:
+            return None
+        share = est.intra_s / step
+        return share if share >= self.rule.settings.hysteresis / 2 else None
 
     def _choose_inner(self):
         """The automatic route's replicas, after each period of local steps that gathered the

@@ -171,6 +171,7 @@ def test_gradscaler_skips_on_the_automatic_route_keep_every_rank_at_the_same_ste
     tuner = opt._tuner
     tuner.rule.sync_score = lambda est: float("inf")   # local steps win at the first decision
     tuner.local.inner_busy = lambda: 1.0               # and each rank a replica after its first period
+    tuner._predicted_inner_share = lambda: None        # (not already at entering)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     history, moved_in_synchronize = [], []
     close = opt._close_step

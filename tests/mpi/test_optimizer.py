@@ -1219,6 +1219,7 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
             # the share each gather measured, then all of the time in the cluster's reductions
             tuner.local.inner_busy = lambda: (shares.append(measure()), 1.0)[1]
             tuner.local.inner_busy_share = 1.0   # a share left from an earlier phase: dropped at entering
+            tuner._predicted_inner_share = lambda: None   # (not chosen at entering: the first period measures)
         if opt.mode == "local" and not periods:
             periods.append(opt._outer.progress.every)
         if opt.mode == "local" and tuner.inner == "cluster":
@@ -1254,3 +1255,41 @@ def test_the_automatic_route_makes_each_rank_a_replica_where_the_clusters_reduct
     assert fresh._tuner._busy_mark is not None and fresh._tuner.local.inner_busy_share is None
     with pytest.raises(ValueError, match="inner must be one of cluster, rank"):
         fresh.load_state_dict(dict(saved, stella_mode=dict(saved["stella_mode"], inner="node")))
+
+
+@pytest.mark.auto_route
+def test_the_automatic_route_makes_each_rank_a_replica_as_it_enters_from_the_synchronous_steps():
+    """The synchronous steps time the hierarchy's stages inside each cluster (the ``intra_s``
+    counter), and the adjuster's gathered telemetry carries them: the slowest rank's, the same
+    on every rank. Where they take the dead band's share of a local step's predicted time
+    (forced here: no dead band), every rank is a replica from the first local step, with no
+    period of local steps spent measuring it; the clusters still meet on the same parameters."""
+    if hvd.global_process_set.topology.num_clusters < 2:
+        pytest.skip("one cluster: no automatic route across clusters")
+    topo = hvd.global_process_set.topology
+    log = []
+
+    def make(model):
+        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                        adjuster=hvd.Adjuster(interval=1, window=1, local_steps=(4,), hysteresis=0.0))
+
+    def watch(step, model, opt):
+        if step == 2:
+            opt._tuner.rule.sync_score = lambda est: float("inf")   # local steps win from the next decision
+        log.append((opt._step_count, opt.mode, opt._tuner.inner, opt._route.kind))
+
+    model, opt = _train_with(make, 16, watch)
+    entered = [s for s, mode, _, _ in log if mode == "local"]
+    assert entered, log
+    assert all(inner == "rank" and kind == "rank" for _, mode, inner, kind in log if mode == "local"), log
+    est = opt._tuner.rule.sync_estimate
+    everyone = hvd.allgather_object((entered[0], est.intra_s))
+    assert all(x == everyone[0] for x in everyone), everyone
+    if max(len(m) for m in topo.cluster_members) > 1:   # (a cluster of several ranks reduced inside)
+        assert est.intra_s > 0, est
+    why = [why for s, _, why in opt.route_changes if s == entered[0]]
+    assert why and "each rank a replica" in why[0] and "in the synchronous steps" in why[0], opt.route_changes
+    if len(topo.cluster_members[topo.cluster_id]) > 1:   # (this rank's own counter: hvd.stats())
+        assert hvd.stats()["total"]["intra_s"] > 0
+    opt.sync_clusters()
+    _assert_same_everywhere(model)

@@ -18,10 +18,12 @@ THC_BYTES = {2: 0.385, 4: 0.671, 8: 1.147}       # wire bytes per entry of THC a
 
 
 def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise=0.0, rng=None,
-         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1), kappa=1.0, bits=0, fixed_thc=None, kappa_thc=1.0):
+         skew=0.05, batch=(16, 16, 16, 16), speed=(1, 1, 1, 1), kappa=1.0, bits=0, fixed_thc=None, kappa_thc=1.0,
+         intra=(0.0, 0.0, 0.0, 0.0)):
     """One window of telemetry rows as the plumbing would gather them (the residual-to-gradient
     norm ratio ``kappa * sqrt((1 - d) / d)``, 0 when dense; on a THC rung of ``bits`` bits
-    every entry at THC_BYTES[bits], the ratio ``kappa_thc / L``, the fixed cost ``fixed_thc``)."""
+    every entry at THC_BYTES[bits], the ratio ``kappa_thc / L``, the fixed cost ``fixed_thc``;
+    ``intra``: each rank's seconds in its cluster's reductions per step)."""
     rng = rng or random.Random(0)
 
     def jit():
@@ -44,7 +46,8 @@ def rows(bw_bps, density, passes=1, compute=0.3, fixed=0.03, latency=5e-4, noise
                 "optimizer_s": 0.01, "cpu_s": 0.02, "exchange_s": exch, "engine_s": fixed + exch,
                 "wan_bytes": payload, "wan_messages": msgs, "latency_s": latency * jit(),
                 "batch": batch[r], "density": density, "passes": passes, "cluster": r // 2, "group": r % 2,
-                "grad_sq": 2.0, "residual_sq": 2.0 * ratio_sq, "bits": bits, "elements": ELEMENTS}
+                "grad_sq": 2.0, "residual_sq": 2.0 * ratio_sq, "bits": bits, "elements": ELEMENTS,
+                "intra_s": intra[r]}
         out.append([float(vals[k]) for k in ROW_FIELDS])
     return out
 
@@ -115,6 +118,18 @@ def test_single_outlier_is_ignored():
     assert not d.changed and d.density == before
     d = run(ctrl, [500e6] * 3)
     assert all(not x.changed for x in d)
+
+
+def test_the_estimate_carries_the_slowest_ranks_seconds_in_its_clusters_reductions():
+    """``intra_s``: per window the slowest rank's, over windows the median (one outlier window
+    ignored, as every other field); rows recorded before the field existed read 0."""
+    ctrl = Controller(settings(window=3))
+    for slow in (0.020, 0.022, 0.5):   # the last window an outlier
+        ctrl.observe(rows(500e6, ctrl.density, intra=(0.004, slow, 0.003, 0.001)))
+    assert ctrl.estimate().intra_s == pytest.approx(0.022)
+    old = Controller(settings())
+    old.observe([r[:ROW_FIELDS.index("intra_s")] for r in rows(500e6, old.density, intra=(0.1,) * 4)])
+    assert old.estimate().intra_s == 0.0
 
 
 @pytest.mark.parametrize("window", [1, 3, 5])
