@@ -30,6 +30,10 @@ fi
 bash scripts/setup_env.sh
 echo "run_tests.sh: set up in ${SECONDS} s"
 . .venv/bin/activate
+# every rank of every mpirun job is a fresh Python: where PYTHONDONTWRITEBYTECODE is set (this
+# sandbox sets it), each compiled stella_mpi again and pytest rewrote the test modules again. The
+# caches go to __pycache__, which git ignores
+unset PYTHONDONTWRITEBYTECODE
 if [ -n "$c_pid" ]; then
     if ! wait "$c_pid"; then
         cat build/c_tests.log
