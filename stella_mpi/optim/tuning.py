@@ -379,6 +379,10 @@ def sparse_pseudo_factor(every):
 # each loss converted to the steps dense training needed to reach it on its measured curve (1500
 # steps, evaluated every 50) and taken over H = 32's. Interpolated in log H between the measured
 # points, extrapolated from the end segments.
+# Later in training it differs (bench/results/parity_thc_period_midrun_s18.json: from step 320
+# of H = 32, a fresh outer step, four seeds): 4.4, 1.57, 1 and 0.90 at H = 8, 16, 32 and 64.
+# Not charged: before step 320 H = 64 costs more, and its 10 % is inside the dead band
+# (docs/guides/local-steps.md, "THC's own period cost mid-run").
 OUTER_MOMENTUM_PERIOD = ((2, 9.33), (4, 2.98), (8, 1.62), (16, 1.33), (32, 1.0), (64, 1.08))
 
 
