@@ -317,6 +317,9 @@ class ModeRule:
     link_bps: Optional[float] = None
     schedules: bool = False                    # whether F and the delay are chosen (optim/tuning.py)
     predicted_schedule: Schedule = BLOCKING    # the one local steps would start with
+    # a local step's seconds under that option (after_sync): local_step_time and the seconds its
+    # exchange blocks a period, over H
+    predicted_step_s: Optional[float] = None
     # per schedule kind (F, delayed), what its last phase cost beyond the model's prediction
     # (after_local): (seconds blocked per landing, seconds per step slower than the blocking
     # schedule's), charged to that kind's predictions from then on
@@ -477,6 +480,7 @@ class ModeRule:
             self.pseudo_index = best.rung
             self._calibrating = CALIBRATION if self.schedules else 0
         self.predicted_every, self.predicted_schedule = best.every, best.schedule
+        self.predicted_step_s = step_local + best.exchange_s / best.every
         return mode, reason
 
     def after_local(self, step_s, exchange_s, every, wire_s=None, schedule=BLOCKING, steady_s=None):

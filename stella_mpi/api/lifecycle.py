@@ -15,8 +15,10 @@ def stats(end_step=False):
     """Counters of the cross-cluster traffic: the last finished step and the totals.
 
     ``last_step`` holds wan_bytes_sent/received, seconds in select/encode/exchange/decode/merge,
-    seconds in the reductions inside the cluster (intra_s), the density used and the residual's
-    norm relative to the gradient's. DistributedOptimizer
+    an estimate of the seconds in the reductions inside the cluster (intra_s: the reduce-scatter
+    or reduce that starts each one, waits for the cluster's ranks included, stands for the whole;
+    the all-gather or broadcast that ends it also waits for the exchange across clusters), the
+    density used and the residual's norm relative to the gradient's. DistributedOptimizer
     closes a step at each synchronize(); ``end_step=True`` closes one by hand."""
     rt = state.current("hvd.stats()")
     if end_step:

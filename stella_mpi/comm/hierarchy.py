@@ -180,7 +180,8 @@ class Hierarchy:
         whether each rank should be a replica of local steps: optim/tuning.py). The stage that
         hands the reduced buffer back (the all-gather, the broadcast) also waits for the
         exchange across clusters (the other shards', the leader's), so it is not counted: the
-        stage before it, which moves as many bytes, counts twice."""
+        stage before it, which moves as many bytes, counts twice (once where the backend's
+        reduce-scatter is a whole allreduce: gloo's)."""
         t0 = time.perf_counter()
         try:
             with timeline.span(name, **attrs):
@@ -200,7 +201,8 @@ class Hierarchy:
             return buf, counts
         me = topo.cluster_rank
         intra = self.intra_for(buf)
-        with self._intra_stage("INTRA_REDUCE_SCATTER", 2.0, backend=intra.name, bytes=buf.numel() * buf.element_size()):
+        with self._intra_stage("INTRA_REDUCE_SCATTER", 1.0 if intra.reduce_scatter_is_allreduce else 2.0,
+                               backend=intra.name, bytes=buf.numel() * buf.element_size()):
             shard = intra.reduce_scatter(buf, counts, op, self.scratch("shard", counts[me], buf.dtype, buf.device))
         return shard, counts
 

@@ -30,6 +30,7 @@ TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.Red
 
 class MpiIntra:
     name = "mpi"
+    reduce_scatter_is_allreduce = False   # (each backend says: Hierarchy counts a reduction's time by it)
 
     def __init__(self, comm, deadline):
         self.comm = comm
@@ -129,6 +130,7 @@ def _with_fallback(method):
 
 class TorchIntra:
     """A gloo (or NCCL) process group of one cluster, built over an MPI rendezvous."""
+    reduce_scatter_is_allreduce = True   # gloo's wants equal chunks: the whole buffer is reduced
 
     def __init__(self, comm, deadline, one_node, ifname="", backend="gloo", device=None):
         self.fallback = MpiIntra(comm, deadline)
@@ -249,6 +251,8 @@ class NcclIntra(TorchIntra):
     each rank's shard is all that lands on it. Waits are bounded by the deadline on the host
     (NCCL's own watchdog comes later, after the deadline's diagnosis)."""
 
+    reduce_scatter_is_allreduce = False
+
     def __init__(self, comm, deadline, one_node, ifname=""):
         super().__init__(comm, deadline, one_node, ifname, backend="nccl")
 
@@ -306,6 +310,10 @@ class StagedIntra:
         self.host = host_intra
         self.route = route
         self.name = "staged+" + host_intra.name
+
+    @property
+    def reduce_scatter_is_allreduce(self):
+        return self.host.reduce_scatter_is_allreduce
 
     def _back(self, host, out):
         self.route.to_device(host, out=out)

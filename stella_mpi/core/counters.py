@@ -10,7 +10,7 @@ import threading
 COUNTERS = ("wan_bytes_sent", "wan_bytes_received", "wan_messages", "select_s", "encode_s", "exchange_s",
             "decode_s", "merge_s", "elements", "entries_sent", "engine_s",
             "skipped_nonfinite",   # steps (or CPU-engine bucket updates) skipped for a NaN/Inf gradient
-            "intra_s")   # seconds in the reductions inside the cluster (the hierarchy's stages)
+            "intra_s")   # the reductions inside the cluster, estimated (Hierarchy._intra_stage)
 
 
 class WanStats:

@@ -38,7 +38,7 @@ import torch
 from ..adjust.controller import Estimate, backlog_shape
 from ..adjust.link_probe import probe_link
 from ..adjust.local_steps_rule import LocalStepsRule
-from ..adjust.mode_rule import BLOCKING, ModeRule, PseudoRung, Schedule, local_step_time
+from ..adjust.mode_rule import BLOCKING, ModeRule, PseudoRung, Schedule
 from ..adjust.session import KEEP_WINDOWS, adjust_session, thc_wire_bytes
 from ..adjust.settings import MODES, AdjusterSettings
 from ..api.allgather import allgather
@@ -871,6 +871,8 @@ class ModeSwitch:
         share = self._predicted_inner_share()
         if share is not None:
             self.cluster_route = RankRoute(self.opt, self.opt._spec.process_set)
+            # what the rule measured of the cluster's steps (a past phase's) does not hold for these
+            self.rule.take("local", recalibrate=True)
             self.reason += ("; each rank a replica, nothing reduced at inner steps: the cluster's reductions took "
                             "%.0f %% of a local step's predicted time in the synchronous steps" % (100 * share))
         self._start_share()
@@ -925,19 +927,19 @@ class ModeSwitch:
 
     def _predicted_inner_share(self):
         """The automatic route's replicas as it enters local steps: the share of a local step's
-        predicted time (:func:`~stella_mpi.adjust.mode_rule.local_step_time`, an upper bound)
+        predicted wall time (``ModeRule.predicted_step_s``: the step, an upper bound, and what
+        the exchange blocks, over H; :meth:`_choose_inner` measures steps and exchanges alike)
         that the cluster's reductions took in the synchronous steps (the hierarchy's
-        intra-cluster stages of the slowest rank, from the gathered telemetry: the same on every
-        rank), where it is at least the dead band's share :meth:`_choose_inner` asks of the
-        measured one: each rank is a replica from the first local step. Otherwise None: the
-        first period of local steps measures the share. (Deciding at the first period's end
-        cost the byte LM at 1 Gbit/s 32 steps of about 110 ms where each rank a replica steps
-        in about 72.)"""
+        intra-cluster stages of the slowest rank, ``Estimate.intra_s``, from the gathered
+        telemetry: the same on every rank). Where it reaches the dead band's share that
+        :meth:`_choose_inner` asks of the measured one, each rank is a replica from the first
+        local step, and the share is returned. Otherwise None: the first period of local steps
+        measures it. (Deciding at the first period's end cost the byte LM at 1 Gbit/s 32 steps
+        of about 100 ms where each rank a replica steps in about 70.)"""
         if not self.chooses_inner or self.inner != "cluster":
             return None
-        est = self.rule.sync_estimate
-        step = local_step_time(est) if est is not None else 0.0
-        if step <= 0.0:
+        est, step = self.rule.sync_estimate, self.rule.predicted_step_s
+        if est is None or not step or step <= 0.0:
             return None
         share = est.intra_s / step
         return share if share >= self.rule.settings.hysteresis / 2 else None

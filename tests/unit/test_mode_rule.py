@@ -854,3 +854,43 @@ def test_an_outer_nesterov_rung_is_given_its_best_period_unless_the_link_needs_l
                                                  period)], link_bps=rate)
             _, why = r.after_sync(dataclasses.replace(estimate(rate, kappa=0.13), cpu_s=0.004, backlog_kappa_thc=1.0))
             assert r.predicted_every == every, (rate, why)
+
+
+def test_entering_local_steps_predicts_a_steps_wall_time_with_its_exchange():
+    """after_sync keeps a local step's predicted wall time under the option it scored best: the
+    step (local_step_time) and the seconds its exchange blocks a period, over H."""
+    r, _ = rule(Adjuster())
+    est = estimate(20 * MBIT)
+    r.after_sync(est)
+    every = r.predicted_every
+    blocked = r._predicted_exchange(est)   # (one rung, blocking: the whole exchange blocks)
+    assert r.predicted_step_s == pytest.approx(local_step_time(est) + blocked / every)
+    assert r.predicted_step_s > local_step_time(est)
+
+
+@pytest.mark.parametrize("intra_s,step_s,chooses,inner,expect", [
+    (0.010, 0.080, True, "cluster", 0.125),    # at the dead band's share (hysteresis 0.25 / 2): taken
+    (0.009, 0.080, True, "cluster", None),     # below it: the first period measures
+    (0.0, 0.080, True, "cluster", None),       # nothing reduced inside the clusters (one rank each)
+    (0.040, 0.080, False, "cluster", None),    # the user's own local steps: replicas are theirs
+    (0.040, 0.080, True, "rank", None),        # each rank a replica already
+    (0.040, None, True, "cluster", None),      # no prediction (no synchronous decision yet)
+    (0.040, 0.0, True, "cluster", None),
+])
+def test_each_rank_is_a_replica_from_the_entry_where_the_clusters_reductions_take_the_dead_bands_share(
+        intra_s, step_s, chooses, inner, expect):
+    """ModeSwitch._predicted_inner_share: the slowest rank's seconds in its cluster's reductions
+    in the synchronous steps (Estimate.intra_s) over a local step's predicted wall time
+    (ModeRule.predicted_step_s), where the automatic route chooses the replicas and each cluster
+    is one still; at half the hysteresis or more (the share _choose_inner asks of the measured
+    one), the share, else None."""
+    from types import SimpleNamespace
+    from stella_mpi.optim.tuning import ModeSwitch
+    r, _ = rule(Adjuster())
+    r.sync_estimate = dataclasses.replace(estimate(100 * MBIT), intra_s=intra_s)
+    r.predicted_step_s = step_s
+    switch = SimpleNamespace(chooses_inner=chooses, inner=inner, rule=r)
+    share = ModeSwitch._predicted_inner_share(switch)
+    assert share == (None if expect is None else pytest.approx(expect))
+    r.sync_estimate = None
+    assert ModeSwitch._predicted_inner_share(switch) is None
