@@ -869,10 +869,8 @@ class ModeSwitch:
     def _enter_local(self):
         every, sched = self.rule.predicted_every, self.rule.predicted_schedule
         share = self._predicted_inner_share()
-        if share is not None:
-            self.cluster_route = RankRoute(self.opt, self.opt._spec.process_set)
-            # what the rule measured of the cluster's steps (a past phase's) does not hold for these
-            self.rule.take("local", recalibrate=True)
+        if share is not None:   # (installed below, with local steps)
+            self._use_inner("rank")
             self.reason += ("; each rank a replica, nothing reduced at inner steps: the cluster's reductions took "
                             "%.0f %% of a local step's predicted time in the synchronous steps" % (100 * share))
         self._start_share()
@@ -974,9 +972,11 @@ class ModeSwitch:
         if opt._outer is self.local:
             opt._install(self.cluster_route, self.local)
         if self.rule is not None:
-            # the steps are measured again; a schedule entered from a prediction is still corrected
-            # from the first measured periods (the choice comes at the first period, before any)
-            self.rule.take(self.rule.mode, recalibrate=self.opt._outer is self.local)
+            # the steps are measured again (what a past phase measured of the cluster's does not
+            # hold); a schedule entered from a prediction is still corrected from the first
+            # measured periods (the choice comes at the entry or the first period, before any). A
+            # checkpoint's mode is taken after this, with its own calibration (_take_mode)
+            self.rule.take(self.rule.mode, recalibrate=self.rule.mode == "local")
 
     # ---------------- the user's optimizer state across a switch
 
